@@ -1,0 +1,96 @@
+"""The interface every federated algorithm implements (FedFew and the baselines).
+
+A round, as driven by :mod:`fedfew.simulation`::
+
+    alg.begin_round(round, participants)
+    for client in this rank's participants:        # rows keyed by client id
+        rows[client.id] = alg.client_update(client, round)
+    gathered = gather rows of all ranks (participants x ...), in client order
+    logs = alg.end_round(round, participants, gathered)
+
+and at evaluation time each client is scored with ``alg.candidates(client)``: the model(s) it
+may use; the one with the lowest eval-mode loss on the client's selection split is chosen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from lightning.fabric import Fabric
+from omegaconf import DictConfig
+from torch import nn
+
+from fedfew.data.base import ClientSplit, FederatedData
+from fedfew.module import KModelSet
+
+
+@dataclass
+class Context:
+    """What an algorithm may use.
+
+    Attributes:
+        cfg: the full resolved run config.
+        fabric: the Lightning Fabric (device, precision, rank).
+        data: pooled tensors on ``fabric.device``.
+        module: the K-model set (server models + working copy) on the device.
+        train_index: per client, (n_train,) int64 indices on the device.
+        num_train: (M,) int64 train sizes n_i (host).
+        autocast: Fabric's autocast context-manager factory.
+        host_state: per-client persistent state kept on the host (client id -> dict).
+    """
+
+    cfg: DictConfig
+    fabric: Fabric
+    data: FederatedData
+    module: KModelSet
+    train_index: list[torch.Tensor]
+    num_train: torch.Tensor
+    autocast: Callable[[], Any] | None = None
+    host_state: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+class Algorithm:
+    """Base class. Subclasses set ``num_models`` from their config and implement the hooks.
+
+    Args:
+        cfg: the ``algorithm`` config node.
+        ctx: the :class:`Context`.
+    """
+
+    #: rows that :meth:`client_update` returns, name -> shape of one row given K
+    row_shapes: dict[str, Callable[[int], tuple[int, ...]]] = {}
+
+    def __init__(self, cfg: DictConfig, ctx: Context) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+
+    @staticmethod
+    def num_models(cfg: DictConfig) -> int:
+        """How many server models the algorithm keeps (FedFew: K)."""
+        return 1
+
+    def begin_round(self, rnd: int, participants: list[int]) -> None:
+        """Called on every rank before local training; ``participants`` are client ids."""
+
+    def client_update(self, client: ClientSplit, rnd: int) -> dict[str, torch.Tensor]:
+        """Local work of one client from the broadcast server state; returns its rows."""
+        raise NotImplementedError
+
+    def end_round(self, rnd: int, participants: list[int], rows: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Server aggregation on every rank (identical result everywhere); returns logs.
+
+        ``rows[name]`` has shape (len(participants), ...) in the order of ``participants``.
+        """
+        raise NotImplementedError
+
+    def candidates(self, client: ClientSplit) -> list[nn.Module]:
+        """Models client ``client`` may be scored with (default: every server model)."""
+        return list(self.ctx.module.models)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Server-side state beyond the K models (for checkpoints)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""

@@ -1,0 +1,92 @@
+"""Local training and evaluation of one model on one client's samples."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedfew.data.base import FederatedData
+from fedfew.module import KModelSet
+
+
+def train_local(
+    module: KModelSet,
+    data: FederatedData,
+    index: torch.Tensor,
+    epochs: int,
+    batch_size: int,
+    seed: int,
+    penalty: Callable[[nn.Module], torch.Tensor] | None = None,
+    autocast=None,
+) -> float:
+    """Train ``module.working`` in place with SGD on the samples ``index``.
+
+    One fresh optimizer (``module.configure_optimizers()``) per call; each epoch visits every
+    sample once in a random order (the last, partial batch is kept, unlike PFLlib's
+    ``drop_last=True``, so clients smaller than a batch still train). Shuffling and dropout
+    draw from ``seed`` only, so the result does not depend on which rank trains the client.
+
+    Args:
+        module: the K-model set; its ``working`` copy is trained.
+        data: pooled tensors (on the training device).
+        index: (n,) int64 sample indices of the client's train split (same device).
+        epochs: local epochs E >= 1.
+        batch_size: B >= 1.
+        seed: stream for shuffling and dropout.
+        penalty: optional extra term added to the loss (e.g. a proximal term); it is not
+            part of the returned loss.
+        autocast: optional context-manager factory (Fabric's ``autocast``) for mixed precision.
+    Returns:
+        the running loss: sample-weighted mean of the minibatch cross-entropies of the last
+        epoch (the reference's ``running`` loss source), as a Python float.
+    """
+    model = module.working
+    model.train()
+    optimizer = module.configure_optimizers()
+    torch.manual_seed(seed)
+    n = index.numel()
+    running = torch.zeros((), device=index.device)
+    for _ in range(epochs):
+        order = index[torch.randperm(n, device=index.device)]
+        running = torch.zeros((), device=index.device)
+        for start in range(0, n, batch_size):
+            batch = data.batch(order[start : start + batch_size])
+            if autocast is None:
+                loss = module.training_step(batch)
+            else:
+                with autocast():
+                    loss = module.training_step(batch)
+            total = loss if penalty is None else loss + penalty(model)
+            optimizer.zero_grad(set_to_none=True)
+            total.backward()
+            optimizer.step()
+            running += loss.detach().float() * batch[1].numel()
+    return float(running) / max(n, 1)
+
+
+@torch.no_grad()
+def evaluate_model(
+    model: nn.Module, data: FederatedData, index: torch.Tensor, batch_size: int = 1024
+) -> tuple[float, int]:
+    """Eval-mode mean cross-entropy and number of correct predictions on ``index``.
+
+    Args:
+        model: any classifier (B, ...) -> (B, C).
+        data: pooled tensors. index: (n,) sample indices.
+    Returns:
+        (mean loss as float, correct count as int); (nan, 0) for an empty index.
+    """
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=index.device)
+    correct = torch.zeros((), dtype=torch.int64, device=index.device)
+    for start in range(0, index.numel(), batch_size):
+        x, y = data.batch(index[start : start + batch_size])
+        logits = model(x).float()
+        loss_sum += F.cross_entropy(logits, y, reduction="sum").double()
+        correct += (logits.argmax(dim=1) == y).sum()
+    model.train(was_training)
+    n = index.numel()
+    return (float(loss_sum) / n if n else float("nan")), int(correct)

@@ -1,0 +1,111 @@
+"""The K-model set: K server models plus one working copy for local training.
+
+Only the K server models and one working model live on the device, whatever the number of
+clients M: a client's local training loads server model k into the working copy (an
+in-place copy, no deep copy), trains it, and returns the parameter delta.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedfew.seeding import derive_seed
+
+INITS = ("independent", "identical")
+
+
+def flat_parameters(module: nn.Module) -> torch.Tensor:
+    """(d,) all parameters of ``module`` concatenated (a new tensor, detached)."""
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def assign_flat_(module: nn.Module, flat: torch.Tensor) -> None:
+    """Write a (d,) vector into ``module``'s parameters in place (inverse of flat_parameters)."""
+    offset = 0
+    with torch.no_grad():
+        for p in module.parameters():
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p))
+            offset += n
+    if offset != flat.numel():
+        raise ValueError(f"flat vector has {flat.numel()} entries, module has {offset} parameters")
+
+
+def copy_parameters_(dst: nn.Module, src: nn.Module) -> None:
+    """Copy ``src``'s parameters and buffers into ``dst`` in place (same architecture)."""
+    with torch.no_grad():
+        for a, b in zip(dst.parameters(), src.parameters()):
+            a.copy_(b)
+        for a, b in zip(dst.buffers(), src.buffers()):
+            a.copy_(b)
+
+
+class KModelSet(L.LightningModule):
+    """K server models (``models``, an ``nn.ModuleList``) and a working copy (``working``).
+
+    Args:
+        build_model: returns a fresh model (same architecture every call).
+        K: number of server models, >= 1.
+        init: ``"independent"`` (default: model k initialised from its own seeded stream
+            ``derive_seed(seed, "init", k)``) or ``"identical"`` (every model a copy of model
+            0, as the reference pgg3/FedFew does; only shuffling then breaks the symmetry).
+        seed: base seed.
+        lr: SGD learning rate (> 0), default 0.005 as in the reference.
+        momentum: SGD momentum (default 0, the reference's).
+        weight_decay: SGD weight decay (default 0).
+    Raises:
+        ValueError: K < 1 or an unknown ``init``.
+    """
+
+    def __init__(
+        self,
+        build_model: Callable[[], nn.Module],
+        K: int,
+        init: str = "independent",
+        seed: int = 0,
+        lr: float = 0.005,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if K < 1:
+            raise ValueError(f"algorithm.K must be >= 1, got {K}")
+        if init not in INITS:
+            raise ValueError(f"algorithm.init={init!r}; allowed: {', '.join(INITS)}")
+        models = []
+        for k in range(K):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derive_seed(seed, "init", 0 if init == "identical" else k))
+                models.append(build_model())
+        self.models = nn.ModuleList(models)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(seed, "init", "working"))
+            self.working = build_model()
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+
+    @property
+    def K(self) -> int:
+        return len(self.models)
+
+    def forward(self, x: torch.Tensor, k: int | None = None) -> torch.Tensor:
+        """Logits (B, C) of server model ``k``, or of the working copy when ``k`` is None."""
+        return (self.working if k is None else self.models[k])(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int = 0) -> torch.Tensor:
+        """Mean cross-entropy of the working copy on one batch ((B, ...) inputs, (B,) labels)."""
+        x, y = batch
+        return F.cross_entropy(self.working(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """SGD over the working copy's parameters (a fresh optimizer per local training)."""
+        return torch.optim.SGD(
+            self.working.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+        )
+
+    def load_working(self, source: nn.Module | int) -> None:
+        """Copy server model ``source`` (an index) or any same-shaped module into ``working``."""
+        copy_parameters_(self.working, self.models[source] if isinstance(source, int) else source)

@@ -1,0 +1,187 @@
+"""The round loop on Lightning Fabric.
+
+One round (every rank runs the same code on its own clients)::
+
+    participants (seeded per round)  ->  this rank's clients (balanced by n_i)
+    -> alg.client_update(client)  for each of them         (local training)
+    -> rows gathered in client order (all-reduce of disjoint rows)
+    -> alg.end_round(...)                                   (aggregation + server step)
+    -> callbacks: on_round_end (metrics file, loggers, progress)
+    -> every eval_every rounds and at the end: selection + personalized accuracy
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.fabric import Fabric
+from omegaconf import DictConfig, OmegaConf
+
+from fedfew.algorithms import ALGORITHMS
+from fedfew.algorithms.base import Algorithm, Context
+from fedfew.data.base import FederatedData
+from fedfew.data.federated import build_federated_data, to_device
+from fedfew.distributed import gather_rows
+from fedfew.evaluation import evaluate_clients
+from fedfew.models import MODELS, DataInfo
+from fedfew.module import KModelSet
+from fedfew.seeding import derive_seed
+
+
+def shard_clients(client_ids: list[int], sizes: np.ndarray, world_size: int, rank: int) -> list[int]:
+    """This rank's clients: greedy longest-first assignment balancing the total n_i per rank.
+
+    Deterministic (ties broken by client id, then rank); a rank may get no client when there
+    are fewer clients than ranks.
+
+    Args:
+        client_ids: participating client ids.
+        sizes: (M,) train sizes n_i of all clients.
+        world_size, rank: Fabric's.
+    Returns:
+        sorted list of client ids for ``rank``.
+    """
+    load = [0] * world_size
+    mine: list[list[int]] = [[] for _ in range(world_size)]
+    for cid in sorted(client_ids, key=lambda c: (-int(sizes[c]), c)):
+        r = min(range(world_size), key=lambda j: (load[j], j))
+        load[r] += int(sizes[cid])
+        mine[r].append(cid)
+    return sorted(mine[rank])
+
+
+def select_participants(cfg: DictConfig, rnd: int, num_clients: int) -> list[int]:
+    """Client ids taking part in round ``rnd``: all, or a seeded sample of
+    ``max(1, round(participation * M))`` clients (``clients_per_round`` overrides)."""
+    per_round = cfg.get("clients_per_round", None)
+    count = int(per_round) if per_round else max(1, int(round(float(cfg.participation) * num_clients)))
+    if count >= num_clients:
+        return list(range(num_clients))
+    rng = np.random.default_rng(derive_seed(cfg.seed, "participation", rnd))
+    return sorted(rng.choice(num_clients, size=count, replace=False).tolist())
+
+
+def data_info(data: FederatedData) -> DataInfo:
+    """Input shape, classes and vocabulary size of the pooled data."""
+    return DataInfo(tuple(data.inputs.shape[1:]), data.num_classes, data.vocab_size)
+
+
+class Simulation:
+    """A federated run: data, K-model set, algorithm and the round loop.
+
+    Args:
+        cfg: the full validated run config.
+        fabric: a launched Fabric (its callbacks receive ``on_round_end``, ``on_evaluate``,
+            ``on_fit_end``).
+        run_dir: where rank 0 writes results.
+        data: optional prebuilt data (tests); built from ``cfg`` otherwise.
+    """
+
+    def __init__(self, cfg: DictConfig, fabric: Fabric, run_dir: Path, data: FederatedData | None = None) -> None:
+        self.cfg, self.fabric, self.run_dir = cfg, fabric, Path(run_dir)
+        host_data = data if data is not None else build_federated_data(cfg)
+        self.host_data = host_data
+        self.data = to_device(host_data, fabric.device)
+        info = data_info(host_data)
+        builder = MODELS.get(cfg.model.name)
+        alg_cls: type[Algorithm] = ALGORITHMS.get(cfg.algorithm.name)
+        self.module = KModelSet(
+            lambda: builder(cfg.model, info),
+            K=alg_cls.num_models(cfg.algorithm),
+            init=cfg.algorithm.get("init", "independent"),
+            seed=derive_seed(cfg.seed, "model"),
+            lr=float(cfg.optim.lr),
+            momentum=float(cfg.optim.momentum),
+            weight_decay=float(cfg.optim.weight_decay),
+        ).to(fabric.device)
+        self.num_train = torch.tensor([len(c.train) for c in host_data.clients], dtype=torch.int64)
+        self.ctx = Context(
+            cfg=cfg,
+            fabric=fabric,
+            data=self.data,
+            module=self.module,
+            train_index=[torch.as_tensor(c.train, device=fabric.device) for c in host_data.clients],
+            num_train=self.num_train,
+            autocast=fabric.autocast if cfg.trainer.precision not in ("32", "32-true", 32) else None,
+        )
+        self.algorithm = alg_cls(cfg.algorithm, self.ctx)
+        self.history: list[dict[str, Any]] = []
+        self.evaluations: list[dict[str, Any]] = []
+        self.start_round = 1
+
+    @property
+    def num_clients(self) -> int:
+        return self.host_data.num_clients
+
+    def my_clients(self, participants: list[int]) -> list[int]:
+        """The participants this rank trains."""
+        return shard_clients(participants, self.num_train.numpy(), self.fabric.world_size, self.fabric.global_rank)
+
+    def run_round(self, rnd: int) -> dict[str, Any]:
+        """Train one round; returns the algorithm's logs plus timing and participants."""
+        start = time.perf_counter()
+        participants = select_participants(self.cfg, rnd, self.num_clients)
+        position = {cid: j for j, cid in enumerate(participants)}
+        self.algorithm.begin_round(rnd, participants)
+        rows: dict[str, dict[int, torch.Tensor]] = {}
+        for cid in self.my_clients(participants):
+            out = self.algorithm.client_update(self.host_data.clients[cid], rnd)
+            for name, value in out.items():
+                rows.setdefault(name, {})[position[cid]] = value.to(self.fabric.device)
+        gathered = {
+            name: gather_rows(rows.get(name, {}), len(participants),
+                              torch.zeros(shape(self.module.K), dtype=torch.float64, device=self.fabric.device))
+            for name, shape in self.algorithm.row_shapes.items()
+        }
+        logs = self.algorithm.end_round(rnd, participants, gathered)
+        logs.update(round=rnd, participants=participants, round_time_s=time.perf_counter() - start,
+                    lr=float(self.cfg.optim.lr))
+        return logs
+
+    def evaluate(self, rnd: int) -> dict[str, Any]:
+        """Selection + personalized accuracy of every client (all clients, not only participants)."""
+        mine = [self.host_data.clients[c] for c in self.my_clients(list(range(self.num_clients)))]
+        result = evaluate_clients(self.algorithm, self.ctx, mine, self.num_clients)
+        result["round"] = rnd
+        return result
+
+    def fit(self) -> dict[str, Any]:
+        """Run every round, evaluating every ``eval_every`` rounds and after the last one.
+
+        Returns:
+            the final evaluation (``clients``, ``summary``), last logs and timings.
+        """
+        cfg, fabric = self.cfg, self.fabric
+        fabric.call("on_fit_start", sim=self)
+        start = time.perf_counter()
+        evaluation: dict[str, Any] | None = None
+        logs: dict[str, Any] = {}
+        for rnd in range(self.start_round, int(cfg.rounds) + 1):
+            logs = self.run_round(rnd)
+            self.history.append(logs)
+            evaluation = None
+            if rnd % int(cfg.eval_every) == 0 or rnd == int(cfg.rounds):
+                evaluation = self.evaluate(rnd)
+                self.evaluations.append({"round": rnd, **evaluation["summary"]})
+            fabric.call("on_round_end", sim=self, round=rnd, logs=logs, evaluation=evaluation)
+        wall = time.perf_counter() - start
+        final = evaluation if evaluation is not None else self.evaluate(int(cfg.rounds))
+        final["summary"]["rounds"] = int(cfg.rounds)
+        results = {
+            "config": OmegaConf.to_container(cfg, resolve=True),
+            "summary": final["summary"],
+            "clients": final["clients"],
+            "alpha": logs.get("alpha"),
+            "w": logs.get("w"),
+            "participants": logs.get("participants"),
+            "evaluations": self.evaluations,
+            "partition_hash": self.host_data.partition_hash,
+            "wall_time_s": wall,
+            "seconds_per_round": wall / max(1, len(self.history)),
+            "world_size": fabric.world_size,
+        }
+        fabric.call("on_fit_end", sim=self, results=results)
+        return results

@@ -1,0 +1,81 @@
+"""Command-line entry point: ``python -m fedfew.train [hydra overrides]`` (``make train``)."""
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from fedfew.config import ConfigError, validate_config
+from fedfew.data.base import DataNotFoundError
+
+#: errors that are the user's to fix: printed as one clear message, exit code 2
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataNotFoundError, ValueError)
+
+
+def make_fabric(cfg: DictConfig, run_dir: Path):
+    """Lightning Fabric from ``cfg.trainer`` with the loggers and callbacks of a run."""
+    from lightning.fabric import Fabric
+
+    from fedfew.callbacks import ConsoleReport, LoggerBridge, ResultFiles
+    from fedfew.loggers import build_loggers
+
+    t = cfg.trainer
+    return Fabric(
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
+        precision=t.precision, loggers=build_loggers(cfg.logger, run_dir),
+        callbacks=[ResultFiles(run_dir), LoggerBridge(), ConsoleReport()],
+    )
+
+
+def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Validate, load the data, launch Fabric and train; returns the results dict.
+
+    Raises:
+        ConfigError, DataNotFoundError, PartitionError: before any training.
+    """
+    validate_config(cfg)
+    import torch
+
+    from fedfew.data.federated import build_federated_data
+    from fedfew.simulation import Simulation
+
+    if cfg.trainer.get("threads"):
+        torch.set_num_threads(int(cfg.trainer.threads))
+    data = build_federated_data(cfg)  # fails fast on missing files / impossible partitions
+    fabric = make_fabric(cfg, run_dir)
+    fabric.launch()
+    return Simulation(cfg, fabric, run_dir, data=data).fit()
+
+
+def _only_hydra_files(run_dir: Path) -> bool:
+    return all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir())
+
+
+def _discard_if_unstarted(run_dir: Path, fresh: bool) -> None:
+    """Remove a run directory we created when the run failed before its first round."""
+    if fresh and not any((run_dir / f).exists() for f in ("results.json", "metrics.csv", "checkpoints")):
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    fresh = _only_hydra_files(run_dir)
+    try:
+        run(cfg, run_dir)
+    except USER_ERRORS as err:
+        _discard_if_unstarted(run_dir, fresh)
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except BaseException:
+        _discard_if_unstarted(run_dir, fresh)
+        raise
+
+
+if __name__ == "__main__":
+    main()

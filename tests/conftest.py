@@ -1,0 +1,51 @@
+"""Shared test helpers.
+
+Real data: tests that read the real data directory are marked ``@pytest.mark.realdata`` and get
+it from the ``real_data_dir`` fixture. The directory comes from the ``FEDFEW_DATA_DIR``
+environment variable; the files a test needs are given as marker arguments, relative to it::
+
+    @pytest.mark.realdata("ag_news_csv/train.csv", "ag_news_csv/test.csv")
+    def test_something(real_data_dir): ...
+
+When the variable is unset or a file is missing, the test is skipped, or fails when
+``FEDFEW_REQUIRE_DATA=1`` (CI with the data mounted).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+DATA_DIR_ENV = "FEDFEW_DATA_DIR"
+REQUIRE_DATA_ENV = "FEDFEW_REQUIRE_DATA"
+
+
+def real_data_dir(*required: str) -> Path:
+    """The real data directory (``$FEDFEW_DATA_DIR``), holding every path in ``required``.
+
+    Skips the calling test when the variable is unset or a path is missing, or fails it
+    instead when ``FEDFEW_REQUIRE_DATA=1``.
+    """
+    raw = os.environ.get(DATA_DIR_ENV, "").strip()
+    if not raw:
+        problem = f"{DATA_DIR_ENV} is not set"
+    else:
+        root = Path(raw).expanduser().resolve()
+        missing = [rel for rel in required if not (root / rel).exists()]
+        if not root.is_dir():
+            problem = f"{DATA_DIR_ENV}={raw} is not a directory"
+        elif missing:
+            problem = f"missing under {DATA_DIR_ENV}={raw}: {', '.join(missing)}"
+        else:
+            return root
+    if os.environ.get(REQUIRE_DATA_ENV, "").strip() == "1":
+        pytest.fail(f"real data required ({REQUIRE_DATA_ENV}=1) but {problem}")
+    pytest.skip(f"real data unavailable: {problem}")
+
+
+@pytest.fixture(name="real_data_dir")
+def _real_data_dir_fixture(request: pytest.FixtureRequest) -> Path:
+    """:func:`real_data_dir` for the paths given as arguments of the test's ``realdata`` marker."""
+    marker = request.node.get_closest_marker("realdata")
+    return real_data_dir(*(marker.args if marker is not None else ()))

@@ -364,7 +364,7 @@ def test_split_counts_and_stratification(class_sizes, f, vf, seed):
     assert len(c.test) == n_test
     k = np.bincount(targets, minlength=len(class_sizes))
     t = np.bincount(targets[c.test], minlength=len(class_sizes))
-    assert np.all(t >= np.floor(f * k - 1e-9)) and np.all(t <= np.ceil(f * k + 1e-9)) or n_test == 1
+    assert np.all(t >= np.floor(f * k - 1e-9)) and np.all(t <= np.ceil(f * k + 1e-9))
     if vf > 0:
         n_train = n - n_test
         assert len(c.val) == min(max(round_half_up(vf * n_train), 1), n_train - 1)

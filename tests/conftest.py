@@ -49,3 +49,24 @@ def _real_data_dir_fixture(request: pytest.FixtureRequest) -> Path:
     """:func:`real_data_dir` for the paths given as arguments of the test's ``realdata`` marker."""
     marker = request.node.get_closest_marker("realdata")
     return real_data_dir(*(marker.args if marker is not None else ()))
+
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose_config(*overrides: str):
+    """The run config as ``python -m fedfew.train <overrides>`` would see it (no run dir)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.fixture
+def cpu_fabric():
+    """A single-process CPU Fabric without loggers."""
+    from lightning.fabric import Fabric
+
+    return Fabric(accelerator="cpu", devices=1)

@@ -1,0 +1,42 @@
+# fedfew: the commands a user needs. `make train` and `make test` install on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DATASET ?= digits
+DATA_DIR ?=
+ARGS ?=
+PYTEST_ARGS ?=
+# the real data beside the checkout (../shared/data) is used by the tests when present
+SHARED_DATA := $(abspath ../shared/data)
+TEST_DATA_DIR := $(or $(DATA_DIR),$(FEDFEW_DATA_DIR),$(wildcard $(SHARED_DATA)))
+DATA_ARG := $(if $(DATA_DIR),data_dir=$(abspath $(DATA_DIR)),)
+
+.PHONY: install train test compare bench slurm slurm-up slurm-down clean help
+
+help:
+	@echo "make install | train DATASET=<name> [DATA_DIR=<dir>] [ARGS='<hydra overrides>'] | test"
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/python -m fedfew.train dataset=$(DATASET) $(DATA_ARG) $(ARGS)
+
+test: $(STAMP)
+	FEDFEW_DATA_DIR=$(TEST_DATA_DIR) WANDB_MODE=$${WANDB_MODE:-offline} WANDB_SILENT=true \
+		$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+slurm-up:
+	bash scripts/slurm/install.sh && bash scripts/slurm/start.sh
+
+slurm-down:
+	bash scripts/slurm/stop.sh
+
+clean:
+	rm -rf outputs multirun .pytest_cache .hypothesis

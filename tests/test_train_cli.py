@@ -1,0 +1,109 @@
+"""End-to-end runs of the command line (`python -m fedfew.train`), as a user runs them."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train(*overrides: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "WANDB_MODE": "disabled", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "fedfew.train", *overrides], cwd=ROOT, env=full_env,
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_embedded_default_learns_digits(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = train(f"hydra.run.dir={run_dir}", "logger=csv")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((run_dir / "results.json").read_text())
+    s = results["summary"]
+    # defaults: digits, M = 20, K = 3, Dirichlet 0.5, 50 rounds; seen 0.92 client-mean
+    assert 0.85 <= s["acc_mean"] <= 1.0
+    assert s["acc_mean"] > s["majority_acc_mean"] + 0.3
+    assert s["acc_min"] <= s["acc_mean"] <= s["acc_max"]
+    assert s["rounds"] == 50 and sum(s["models_served"]) == 20
+    assert len(results["clients"]) == 20 and len(results["alpha"]) == 20
+    assert abs(sum(results["alpha"]) - 1) < 1e-6
+    assert all(abs(sum(row) - 1) < 1e-6 and len(row) == 3 for row in results["w"])
+    for c in results["clients"]:
+        assert c["n_train"] >= 1 and c["n_test"] >= 1 and 0 <= c["model"] < 3 and 0 <= c["acc"] <= 1
+    weighted = sum(c["acc"] * c["n_test"] for c in results["clients"]) / sum(c["n_test"] for c in results["clients"])
+    assert abs(weighted - s["acc_weighted"]) < 1e-9
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    assert [int(r["round"]) for r in rows] == list(range(1, 51))
+    assert (run_dir / "config.yaml").exists() and (run_dir / "logs" / "metrics.csv").exists()
+    assert "personalized test accuracy per client" in proc.stdout and "majority-label baseline" in proc.stdout
+
+
+@pytest.mark.slow
+def test_same_seed_same_results_different_seed_differs(tmp_path):
+    def run(name, seed):
+        proc = train(f"hydra.run.dir={tmp_path / name}", "rounds=4", f"seed={seed}", "logger=none")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out = json.loads((tmp_path / name / "results.json").read_text())
+        return out["alpha"], out["w"], [c["acc"] for c in out["clients"]], out["partition_hash"]
+
+    a, b, c = run("a", 3), run("b", 3), run("c", 4)
+    assert a == b  # bit-identical on CPU
+    assert a[3] != c[3] and a[:3] != c[:3]
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("algorithm.K=0", "algorithm.K"),
+        ("algorithm.mu=0", "algorithm.mu"),
+        ("algorithm.mu=-1", "algorithm.mu"),
+        ("rounds=0", "rounds"),
+        ("partition.alpha=0", "partition.alpha"),
+        ("dataset=nosuchset", "dataset"),
+        ("algorithm.K=30", "algorithm.K"),
+    ],
+)
+def test_invalid_values_stop_before_training(tmp_path, override, key):
+    run_dir = tmp_path / "run"
+    start = time.perf_counter()
+    proc = train(f"hydra.run.dir={run_dir}", override, "logger=none", timeout=120)
+    assert proc.returncode != 0
+    assert key in proc.stderr
+    assert time.perf_counter() - start < 60
+    assert not (run_dir / "metrics.csv").exists() and not run_dir.exists()
+
+
+def test_agnews_without_data_fails_fast_and_cleanly(tmp_path):
+    run_dir = tmp_path / "run"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    start = time.perf_counter()
+    proc = train("dataset=agnews", f"data_dir={empty}", f"hydra.run.dir={run_dir}", "logger=none",
+                 env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}, timeout=120)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert str(empty / "ag_news_csv") in proc.stderr and "FEDFEW_DATA_DIR" in proc.stderr
+    assert elapsed < 30
+    assert not run_dir.exists()  # no half-written run directory
+
+
+@pytest.mark.slow
+@pytest.mark.realdata("ag_news_csv/train.csv", "ag_news_csv/test.csv")
+def test_agnews_real_data_short_run(tmp_path, real_data_dir):
+    run_dir = tmp_path / "run"
+    proc = train("dataset=agnews", f"data_dir={real_data_dir}", "rounds=1", "num_clients=10", "algorithm.K=2",
+                 "model.embed_dim=32", f"hydra.run.dir={run_dir}", "logger=none")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((run_dir / "results.json").read_text())
+    assert sum(c["n_train"] + c["n_test"] for c in results["clients"]) == 9600
+    assert len(results["w"]) == 10 and len(results["w"][0]) == 2
+    assert 0.25 <= results["summary"]["majority_acc_mean"] <= 1.0

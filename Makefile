@@ -32,6 +32,24 @@ test: $(STAMP)
 	FEDFEW_DATA_DIR=$(TEST_DATA_DIR) WANDB_MODE=$${WANDB_MODE:-offline} WANDB_SILENT=true \
 		$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# SLURM: render scripts/slurm/job.sbatch.template and submit it (one task per device)
+NODES ?= 1
+GPUS ?= 0
+TASKS ?= $(if $(filter 0,$(GPUS)),1,$(GPUS))
+CPUS ?= 1
+TIME ?= 01:00:00
+PARTITION ?= $(or $(FEDFEW_SLURM_PARTITION),debug)
+SLURM_OUT ?= $(abspath outputs/slurm)
+ACCELERATOR ?= $(if $(filter 0,$(GPUS)),cpu,gpu)
+
+slurm: $(STAMP)
+	mkdir -p $(SLURM_OUT)
+	$(BIN)/python scripts/slurm/render.py --submit --job-name fedfew-$(DATASET) --nodes $(NODES) \
+		--ntasks-per-node $(TASKS) --gpus-per-node $(GPUS) --cpus-per-task $(CPUS) --time $(TIME) \
+		--partition $(PARTITION) --output $(SLURM_OUT)/%j.out --workdir $(CURDIR) \
+		--python $(abspath $(BIN)/python) --run-root $(SLURM_OUT) --script $(SLURM_OUT)/last.sbatch -- \
+		dataset=$(DATASET) $(DATA_ARG) trainer.accelerator=$(ACCELERATOR) trainer.strategy=ddp $(ARGS)
+
 slurm-up:
 	bash scripts/slurm/install.sh && bash scripts/slurm/start.sh
 

@@ -147,7 +147,7 @@ def test_render_cpu_job_lines():
     assert "export PYTHONUNBUFFERED=1" in lines
     assert (
         "srun /opt/venv/bin/python -m fedfew.train algorithm=fedfew dataset=cifar10 "
-        "'model.hidden=[64,64]' trainer.num_nodes=2 trainer.devices=2"
+        "'model.hidden=[64,64]' hydra.run.dir=outputs/slurm/${SLURM_JOB_ID} trainer.num_nodes=2 trainer.devices=2"
     ) in lines
     # No unrendered placeholders, and shell variables survive ($$ escapes).
     assert "${job_name}" not in text and "${gpu_line}" not in text
@@ -170,9 +170,9 @@ def test_render_defaults_and_string_ints():
     assert "#SBATCH --nodes=1\n" in text
     assert "#SBATCH --ntasks-per-node=4\n" in text
     assert "#SBATCH --partition=debug\n" in text
-    assert "-m fedfew.train a=1 'b=[2, 3]' trainer.num_nodes=1 trainer.devices=4\n" in text
+    assert "-m fedfew.train a=1 'b=[2, 3]' hydra.run.dir=outputs/slurm/${SLURM_JOB_ID} trainer.num_nodes=1 trainer.devices=4\n" in text
     no_args = render(args=[])
-    assert "-m fedfew.train trainer.num_nodes=1 trainer.devices=1\n" in no_args
+    assert "-m fedfew.train hydra.run.dir=outputs/slurm/${SLURM_JOB_ID} trainer.num_nodes=1 trainer.devices=1\n" in no_args
 
 
 def test_render_quotes_python_path():
@@ -232,7 +232,7 @@ def test_render_cli_prints_script():
         nodes=1, ntasks_per_node=2, gpus_per_node=0, time="00:10:00", partition="debug", job_name="x",
         output="out-%j.log", workdir="/tmp", python="/usr/bin/python3", args=["algorithm=fedfew", "+extra=[1, 2]"],
     )
-    assert "'+extra=[1, 2]' trainer.num_nodes=1 trainer.devices=2" in proc.stdout
+    assert "'+extra=[1, 2]' hydra.run.dir=outputs/slurm/${SLURM_JOB_ID} trainer.num_nodes=1 trainer.devices=2" in proc.stdout
 
 
 def test_render_cli_rejects_bad_input():

@@ -53,6 +53,7 @@ DEFAULTS: dict[str, Any] = {
     "workdir": ".",
     "python": sys.executable or "python3",
     "args": (),
+    "run_root": "outputs/slurm",
 }
 
 GPU_LINE_PLACEHOLDER = "${gpu_line}\n"
@@ -190,6 +191,7 @@ def validate(values: Mapping[str, Any]) -> dict[str, str]:
         "time": validate_time(v["time"]),
         "python": shlex.quote(python),
         "args": _format_args(v["args"]),
+        "run_root": _sbatch_value("run_root", v["run_root"]),
     }
 
 
@@ -254,6 +256,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default=DEFAULTS["output"], help="log path (%%j = job id)")
     p.add_argument("--workdir", default=DEFAULTS["workdir"], help="job working directory (--chdir)")
     p.add_argument("--python", default=DEFAULTS["python"], help="Python interpreter on the compute nodes")
+    p.add_argument("--run-root", default=DEFAULTS["run_root"],
+                   help="run directories go to RUN_ROOT/<job id> (one shared folder for all tasks)")
     p.add_argument("--template", default=None, help=f"template path (default {TEMPLATE_PATH})")
     p.add_argument("--submit", action="store_true", help="write the script and submit it with sbatch --parsable")
     p.add_argument("--script", default=None, help="with --submit: where to write the script (default: temp file)")
@@ -278,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             workdir=ns.workdir,
             python=ns.python,
             args=ns.overrides,
+            run_root=ns.run_root,
         )
     except RenderError as exc:
         parser.error(str(exc))  # exits 2

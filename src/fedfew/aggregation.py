@@ -53,13 +53,14 @@ class LogWeightedSum:
 
     def all_reduce_(self) -> "LogWeightedSum":
         """Combine the partial sums of every rank (two all-reduces: max, then sum)."""
-        local = self.log_scale.clone()
+        # collectives run on the accumulator's device (NCCL cannot reduce host tensors)
+        local = self.log_scale.to(self.acc.device)
         shared = all_reduce_(local.clone(), "max")
         factor = torch.where(torch.isfinite(local), (local - shared).exp(), torch.zeros_like(local))
-        self.acc.mul_(factor.to(self.acc.device, self.acc.dtype)[:, None])
-        self.log_scale = shared
+        self.acc.mul_(factor.to(self.acc.dtype)[:, None])
+        self.log_scale = shared.cpu()
         all_reduce_(self.acc, "sum")
-        self.count = all_reduce_(self.count, "sum")
+        self.count = all_reduce_(self.count.to(self.acc.device), "sum").cpu()
         return self
 
     def result(self, log_norm: float) -> torch.Tensor:

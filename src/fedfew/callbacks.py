@@ -1,57 +1,180 @@
-"""Fabric callbacks of a run: result files, experiment loggers, progress and the final table.
+"""Fabric callbacks of a run: result files, pictures, experiment loggers, progress and the
+final table.
 
 Fabric calls ``on_fit_start(sim)``, ``on_round_end(sim, round, logs, evaluation)`` and
 ``on_fit_end(sim, results)`` on each callback; only rank 0 writes or prints.
+
+Files in the run directory (all written atomically, see :mod:`fedfew.io`):
+
+    config.yaml    the resolved run config (at the start)
+    metrics.csv    one row of scalars per round (:func:`round_scalars`), after every round
+    history.json   every round's logs (g, alpha, w, loss, assignment, ... whatever the
+                   algorithm returns) and every evaluation's per-client accuracy
+                   (:func:`build_history`), at each evaluation and at the end
+    results.json   final per-client results and summary, at the end
+    plots/*.png    pictures (:mod:`fedfew.plots`), at evaluations (at most every
+                   :data:`PLOT_INTERVAL_S` seconds) and at the end, when ``logger.plots``
 """
 from __future__ import annotations
 
 import csv
 import io
+import json
+import numbers
 import sys
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
 
-from fedfew.io import atomic_write_json, atomic_write_text
+from fedfew.io import atomic_write_json, atomic_write_text, to_jsonable
 
 SUMMARY_KEYS = ("acc_mean", "acc_std", "acc_min", "acc_max", "acc_weighted", "majority_acc_mean")
+#: keys of an algorithm's round logs that are not extra scalars of its own
+STANDARD_LOG_KEYS = frozenset({"round", "round_time_s", "lr", "g", "loss", "alpha", "w", "assignment",
+                               "effective_step", "participants"})
+HISTORY_VERSION = 1
+#: least wall time between two redraws of the PNGs during a run (the end always redraws)
+PLOT_INTERVAL_S = 30.0
 
 
-def round_scalars(logs: dict[str, Any], evaluation: dict[str, Any] | None) -> dict[str, float]:
-    """The scalar metrics of one round (what metrics.csv and the loggers get)."""
+def _is_scalar(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.dim() == 0
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def train_scalars(logs: dict[str, Any]) -> dict[str, float]:
+    """Scalars of one round's logs: round, time, lr, g, mean losses, per-model effective step
+    and clients served, plus any other scalar an algorithm logs (under its own name)."""
     out: dict[str, float] = {"round": logs["round"], "round_time_s": logs["round_time_s"], "lr": logs["lr"]}
     if "g" in logs:
-        out["g"] = logs["g"]
+        out["g"] = float(logs["g"])
     if isinstance(logs.get("loss"), torch.Tensor):
-        loss = logs["loss"]
+        loss = logs["loss"].double()
+        loss = loss if loss.dim() == 2 else loss.reshape(len(loss), -1)
         out["train_loss_mean"] = float(loss.mean())
         out["train_loss_best_mean"] = float(loss.min(dim=1).values.mean())
     if isinstance(logs.get("effective_step"), torch.Tensor):
         for k, v in enumerate(logs["effective_step"].tolist()):
             out[f"effective_step/{k}"] = v
     if isinstance(logs.get("assignment"), torch.Tensor):
-        served = torch.bincount(logs["assignment"].long(), minlength=len(logs.get("effective_step", [])))
+        minlength = len(logs["effective_step"]) if isinstance(logs.get("effective_step"), torch.Tensor) else 0
+        served = torch.bincount(logs["assignment"].long().flatten(), minlength=minlength)
         for k, v in enumerate(served.tolist()):
             out[f"clients_served/{k}"] = v
-    if evaluation is not None:
-        for key in SUMMARY_KEYS:
-            out[key] = evaluation["summary"][key]
+    for key, value in logs.items():
+        if key not in STANDARD_LOG_KEYS and key not in out and _is_scalar(value):
+            out[key] = float(value)
     return out
 
 
+def eval_scalars(evaluation: dict[str, Any] | None) -> dict[str, float]:
+    """Numeric summary values of an evaluation (:data:`SUMMARY_KEYS` first, then any other
+    number an algorithm's evaluation adds)."""
+    if evaluation is None:
+        return {}
+    summary = evaluation["summary"]
+    out = {key: summary[key] for key in SUMMARY_KEYS}
+    for key, value in summary.items():
+        if key not in out and _is_scalar(value):
+            out[key] = float(value)
+    return out
+
+
+def round_scalars(logs: dict[str, Any], evaluation: dict[str, Any] | None) -> dict[str, float]:
+    """The scalar metrics of one round (what metrics.csv and the loggers get)."""
+    return {**train_scalars(logs), **eval_scalars(evaluation)}
+
+
+def client_info(sim) -> list[dict[str, Any]]:
+    """Per client: id, n_train, n_test and the label counts of its train split."""
+    data = sim.host_data
+    targets = torch.as_tensor(data.targets).cpu()
+    out = []
+    for c in data.clients:
+        labels = targets[torch.as_tensor(c.train, dtype=torch.long)]
+        out.append({"id": int(c.id), "n_train": len(c.train), "n_test": len(c.test),
+                    "label_counts": torch.bincount(labels, minlength=data.num_classes).tolist()})
+    return out
+
+
+def round_record(logs: dict[str, Any]) -> dict[str, Any]:
+    """One round's logs as plain JSON values (tensors to lists)."""
+    return to_jsonable(logs)
+
+
+def evaluation_record(round: int, evaluation: dict[str, Any]) -> dict[str, Any]:
+    """One evaluation: round, summary, and per-client accuracy / chosen model (client order)."""
+    return {
+        "round": int(round),
+        "summary": to_jsonable(evaluation["summary"]),
+        "acc": [c["acc"] for c in evaluation["clients"]],
+        "model": [c["model"] for c in evaluation["clients"]],
+    }
+
+
+def build_history(sim, rounds: list[dict[str, Any]], evaluations: list[dict[str, Any]],
+                  clients: list[dict[str, Any]]) -> dict[str, Any]:
+    """The content of ``history.json``::
+
+        {"version", "algorithm", "dataset", "num_clients" (M), "K", "num_classes",
+         "clients":     [{"id", "n_train", "n_test", "label_counts"}],
+         "rounds":      [{"round", "participants", "round_time_s", "lr", and what the
+                          algorithm logs, e.g. FedFew: "g", "alpha" (P), "w" (P x K),
+                          "loss" (P x K), "assignment" (P), "effective_step" (K)}],
+         "evaluations": [{"round", "summary", "acc" (M), "model" (M)}]}
+
+    Per-participant vectors (alpha, rows of w and loss, assignment) follow the order of that
+    round's ``participants``.
+    """
+    cfg = sim.cfg
+    return {
+        "version": HISTORY_VERSION,
+        "algorithm": str(cfg.algorithm.name),
+        "dataset": str(cfg.dataset.name),
+        "num_clients": int(sim.num_clients),
+        "K": int(sim.module.K),
+        "num_classes": int(sim.host_data.num_classes),
+        "clients": clients,
+        "rounds": rounds,
+        "evaluations": evaluations,
+    }
+
+
+def _previous_history(run_dir: Path, start_round: int) -> tuple[list, list]:
+    """Rounds and evaluations before ``start_round`` from an existing history.json (resume)."""
+    path = run_dir / "history.json"
+    if start_round <= 1 or not path.exists():
+        return [], []
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return [], []
+    return ([r for r in old.get("rounds", []) if r.get("round", 0) < start_round],
+            [e for e in old.get("evaluations", []) if e.get("round", 0) < start_round])
+
+
 class ResultFiles:
-    """Writes ``config.yaml`` at the start, ``metrics.csv`` after every round and
-    ``results.json`` at the end, each atomically, on rank 0."""
+    """Writes ``config.yaml`` at the start, ``metrics.csv`` after every round,
+    ``history.json`` at every evaluation and at the end, and ``results.json`` at the end,
+    each atomically, on rank 0."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
         self.rows: list[dict[str, float]] = []
+        self.rounds: list[dict[str, Any]] = []
+        self.evaluations: list[dict[str, Any]] = []
+        self.clients: list[dict[str, Any]] = []
 
     def on_fit_start(self, sim) -> None:
         if sim.fabric.global_rank == 0:
             atomic_write_text(self.run_dir / "config.yaml", OmegaConf.to_yaml(sim.cfg, resolve=True))
+            self.clients = client_info(sim)
+            self.rounds, self.evaluations = _previous_history(self.run_dir, int(getattr(sim, "start_round", 1)))
 
     def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
         if sim.fabric.global_rank != 0:
@@ -65,34 +188,106 @@ class ResultFiles:
         writer.writeheader()
         writer.writerows(self.rows)
         atomic_write_text(self.run_dir / "metrics.csv", buf.getvalue())
+        self.rounds.append(round_record(logs))
+        if evaluation is not None:
+            self.evaluations.append(evaluation_record(round, evaluation))
+            self.write_history(sim)
+
+    def write_history(self, sim) -> dict[str, Any]:
+        """Write ``history.json`` now; returns its content."""
+        history = build_history(sim, self.rounds, self.evaluations, self.clients)
+        atomic_write_json(self.run_dir / "history.json", history)
+        return history
 
     def on_fit_end(self, sim, results: dict[str, Any]) -> None:
         if sim.fabric.global_rank == 0:
+            if not self.evaluations or self.evaluations[-1]["round"] != results["summary"].get("rounds"):
+                # the final evaluation came after the round callbacks (e.g. resumed at the end)
+                self.evaluations.append(evaluation_record(results["summary"].get("rounds", 0), results))
+            self.write_history(sim)
             atomic_write_json(self.run_dir / "results.json", results)
 
 
-class LoggerBridge:
-    """Sends each round's scalars to Fabric's loggers (CSV, W&B) with the round as step."""
+class PlotFiles:
+    """Draws the PNGs of :mod:`fedfew.plots` into ``<run_dir>/plots`` on rank 0, from the
+    ``history.json`` that :class:`ResultFiles` (placed before it) has just written: at
+    evaluation rounds (at most every :data:`PLOT_INTERVAL_S` seconds) and at the end.
+
+    Config (``logger`` node): ``plots`` (default true), ``plot_rounds`` (rounds with a w / L
+    heatmap; null: first, middle and last).
+    """
+
+    def __init__(self, run_dir: Path, interval_s: float = PLOT_INTERVAL_S) -> None:
+        self.run_dir = Path(run_dir)
+        self.interval_s = interval_s
+        self.enabled = False
+        self.rounds: list[int] | None = None
+        self.last = float("-inf")
+        self.written: list[Path] = []
 
     def on_fit_start(self, sim) -> None:
-        if sim.fabric.global_rank == 0 and sim.fabric.loggers:
-            for logger in sim.fabric.loggers:
-                logger.log_hyperparams(OmegaConf.to_container(sim.cfg, resolve=True))
+        logger_cfg = sim.cfg.get("logger") or {}
+        self.enabled = sim.fabric.global_rank == 0 and bool(logger_cfg.get("plots", True))
+        chosen = logger_cfg.get("plot_rounds")
+        self.rounds = [int(r) for r in chosen] if chosen else None
+
+    def draw(self) -> list[Path]:
+        """Redraw every picture now (never raises)."""
+        try:
+            from fedfew.plots import write_plots
+
+            self.written = write_plots(self.run_dir, w_rounds=self.rounds)
+        except Exception as err:  # pictures must never stop a run
+            warnings.warn(f"plots skipped: {type(err).__name__}: {err}")
+        self.last = time.monotonic()
+        return self.written
 
     def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
-        if sim.fabric.global_rank == 0 and sim.fabric.loggers:
-            sim.fabric.log_dict(round_scalars(logs, evaluation), step=round)
+        if self.enabled and evaluation is not None and round < int(sim.cfg.rounds) \
+                and time.monotonic() - self.last >= self.interval_s:
+            self.draw()
 
     def on_fit_end(self, sim, results: dict[str, Any]) -> None:
-        if sim.fabric.global_rank == 0:
-            for logger in sim.fabric.loggers:
-                logger.log_metrics({f"final/{k}": results["summary"][k] for k in SUMMARY_KEYS}, step=len(sim.history))
-                logger.finalize("success")
+        if self.enabled:
+            self.draw()
+
+
+def _is_wandb(logger) -> bool:
+    from fedfew.loggers import WandbLogger
+
+    return isinstance(logger, WandbLogger)
+
+
+class LoggerBridge:
+    """Sends each round's scalars to Fabric's loggers (CSV) with the round as step.
+
+    W&B loggers are left to :class:`fedfew.monitoring.WandbMonitor`, which logs the scalars
+    under sectioned names together with the media of the same round.
+    """
+
+    @staticmethod
+    def _loggers(sim) -> list:
+        return [lg for lg in sim.fabric.loggers if not _is_wandb(lg)] if sim.fabric.global_rank == 0 else []
+
+    def on_fit_start(self, sim) -> None:
+        for logger in self._loggers(sim):
+            logger.log_hyperparams(OmegaConf.to_container(sim.cfg, resolve=True))
+
+    def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
+        for logger in self._loggers(sim):
+            logger.log_metrics(round_scalars(logs, evaluation), step=round)
+
+    def on_fit_end(self, sim, results: dict[str, Any]) -> None:
+        for logger in self._loggers(sim):
+            logger.log_metrics({f"final/{k}": results["summary"][k] for k in SUMMARY_KEYS},
+                               step=int(results["summary"].get("rounds", len(sim.history))))
+            logger.finalize("success")
 
 
 class ConsoleReport:
-    """A progress bar over rounds (rich; plain lines when not a terminal) and the per-client
-    table at the end, on rank 0."""
+    """A progress bar over rounds on stderr (rich: ETA, last g, last mean accuracy; when
+    stderr is not a terminal, one plain line per evaluation instead) and the per-client table
+    at the end, on rank 0."""
 
     def __init__(self) -> None:
         self.progress = None
@@ -102,12 +297,13 @@ class ConsoleReport:
     def on_fit_start(self, sim) -> None:
         if sim.fabric.global_rank != 0:
             return
+        from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         self.progress = Progress(
             TextColumn("round {task.completed}/{task.total}"), BarColumn(), TimeElapsedColumn(),
             TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-            disable=not sys.stderr.isatty(),
+            console=Console(stderr=True), disable=not sys.stderr.isatty(),
         )
         self.task = self.progress.add_task("rounds", total=int(sim.cfg.rounds), completed=sim.start_round - 1, info="")
         self.progress.start()

@@ -1,7 +1,17 @@
 """Experiment loggers for Fabric, chosen by ``logger.name`` (none | csv | wandb).
 
-W&B never blocks or crashes a run: without an API key it runs offline (and says how to
-``wandb sync``); any error while creating it falls back to no W&B logger with a warning.
+W&B never blocks or crashes a run:
+
+- without an API key (``WANDB_API_KEY`` or ~/.netrc) it runs offline and prints how to
+  ``wandb sync`` the run later; ``logger.mode`` / ``WANDB_MODE`` override (``disabled``: no
+  W&B at all);
+- the run is created lazily, on rank 0 only, when the first callback uses it (so a
+  multi-process run makes exactly one W&B run), with the full resolved config as run config;
+- ``wandb.init`` is bounded by ``logger.init_timeout``; an online start that fails (no
+  network) retries offline, and any other failure disables W&B with one warning;
+- every later call is wrapped: an error disables W&B for the rest of the run with one warning;
+- ``finish`` is bounded by ``logger.finish_timeout`` (W&B's own setting: unsent data stays on
+  disk for ``wandb sync``).
 """
 from __future__ import annotations
 
@@ -9,9 +19,10 @@ import netrc
 import os
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-from omegaconf import DictConfig
+from lightning.fabric.loggers import Logger
+from omegaconf import DictConfig, OmegaConf
 
 
 def _none(cfg: DictConfig, run_dir: Path) -> list:
@@ -43,22 +54,152 @@ def wandb_mode(cfg: DictConfig) -> str:
     return "online" if has_wandb_credentials() else "offline"
 
 
+def _rank() -> int:
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    return int(getattr(rank_zero_only, "rank", 0) or 0)
+
+
+class WandbLogger(Logger):
+    """A Fabric logger around one W&B run (see the module docstring for its guarantees).
+
+    Args:
+        cfg: the ``logger`` config node: project, entity, group, tags, run_name, mode, dir
+            (null: the run directory), init_timeout, finish_timeout.
+        run_dir: the run directory (W&B writes ``<dir>/wandb/...``).
+    """
+
+    def __init__(self, cfg: DictConfig | dict, run_dir: Path) -> None:
+        super().__init__()
+        self.cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+        self.run_dir = Path(run_dir)
+        self.mode = wandb_mode(DictConfig(self.cfg))
+        self._run = None
+        self._failed = False
+        self._finished = False
+        self._config: dict[str, Any] = {}
+
+    # -- Fabric's Logger interface -----------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return str(self.cfg.get("project") or "fedfew")
+
+    @property
+    def version(self) -> str | None:
+        return getattr(self._run, "id", None)
+
+    @property
+    def root_dir(self) -> str:
+        return str(self.save_dir)
+
+    @property
+    def save_dir(self) -> Path:
+        return Path(self.cfg.get("dir") or self.run_dir)
+
+    @property
+    def experiment(self):
+        """The W&B run (started on first use; ``None`` on ranks > 0, when disabled or failed)."""
+        return self.start()
+
+    def log_hyperparams(self, params: dict[str, Any] | Any, *args: Any, **kwargs: Any) -> None:
+        params = OmegaConf.to_container(params, resolve=True) if isinstance(params, DictConfig) else dict(params)
+        if self._run is None:
+            self._config.update(params)
+            self.start()
+        else:
+            self._call("config.update", lambda: self._run.config.update(params, allow_val_change=True))
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.log(metrics, step=step)
+
+    def finalize(self, status: str) -> None:
+        """Finish the W&B run (bounded by ``finish_timeout``); prints the sync command offline."""
+        if self._run is None or self._finished:
+            return
+        self._finished = True
+        run, self._run = self._run, None
+        run_path = self._call("dir", lambda: Path(run.dir).parent)
+        self._call("finish", lambda: run.finish(exit_code=0 if status == "success" else 1))
+        if self.mode == "offline" and run_path is not None:
+            print(f"W&B: offline run saved; upload it with `wandb sync {run_path}`", flush=True)
+
+    # -- fedfew's use --------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """Whether W&B is (or can still be) in use on this rank."""
+        return _rank() == 0 and not self._failed and not self._finished and self.mode != "disabled"
+
+    def start(self, config: dict[str, Any] | None = None):
+        """Create the W&B run on rank 0 if not done yet; returns it, or ``None``."""
+        if config:
+            self._config.update(config)
+        if not self.active:
+            return None
+        if self._run is not None:
+            return self._run
+        try:
+            self._run = self._init(self.mode)
+        except Exception as err:
+            if self.mode == "online":
+                warnings.warn(f"W&B online start failed ({type(err).__name__}: {err}); logging offline instead")
+                self.mode = "offline"
+                try:
+                    self._run = self._init("offline")
+                except Exception as err2:
+                    err = err2
+            if self._run is None:
+                self._failed = True
+                warnings.warn(f"W&B disabled for this run: {type(err).__name__}: {err}")
+                return None
+        if self.mode == "offline":
+            print(f"W&B offline: logging into {Path(self._run.dir).parent}; "
+                  f"upload later with `wandb sync {Path(self._run.dir).parent}`", flush=True)
+        return self._run
+
+    def _init(self, mode: str):
+        import wandb
+
+        c = self.cfg
+        self.save_dir.mkdir(parents=True, exist_ok=True)
+        settings = wandb.Settings(
+            init_timeout=float(c.get("init_timeout") or 60), finish_timeout=float(c.get("finish_timeout") or 60),
+        )
+        return wandb.init(
+            project=c.get("project") or "fedfew", entity=c.get("entity"), group=c.get("group"),
+            tags=[str(t) for t in (c.get("tags") or [])] or None, name=c.get("run_name"),
+            dir=str(self.save_dir), mode=mode, config=self._config or None, settings=settings,
+        )
+
+    def log(self, data: dict[str, Any], step: int | None = None) -> None:
+        """``run.log(data, step=step)``; a failure disables W&B with a warning."""
+        run = self.start()
+        if run is not None:
+            self._call("log", lambda: run.log(data, step=step))
+
+    def update_summary(self, values: dict[str, Any]) -> None:
+        """Set values of the run summary (what the runs table shows)."""
+        run = self.start()
+        if run is not None:
+            self._call("summary", lambda: run.summary.update(values))
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as err:  # W&B must never stop a run
+            warnings.warn(f"W&B {what} failed, W&B disabled for the rest of the run: {type(err).__name__}: {err}")
+            self._failed = True
+            return None
+
+
 def _wandb(cfg: DictConfig, run_dir: Path) -> list:
     try:
-        from lightning.pytorch.loggers import WandbLogger
-
-        mode = wandb_mode(cfg)
-        if mode == "offline":
-            print(f"W&B: no API key, logging offline into {run_dir}/wandb; upload later with "
-                  f"`wandb sync {run_dir}/wandb/offline-run-*`")
-        return [WandbLogger(
-            project=cfg.get("project", "fedfew"), entity=cfg.get("entity"), group=cfg.get("group"),
-            tags=list(cfg.get("tags") or []), name=cfg.get("run_name"), save_dir=str(run_dir), mode=mode,
-            settings=None,
-        )]
+        logger = WandbLogger(cfg, run_dir)
     except Exception as err:  # W&B must never stop a run
         warnings.warn(f"W&B logger disabled: {err}")
         return []
+    return [] if logger.mode == "disabled" else [logger]
 
 
 LOGGERS: dict[str, Callable[[DictConfig, Path], list]] = {"none": _none, "csv": _csv, "wandb": _wandb}

@@ -26,6 +26,7 @@ from fedfew.data.base import FederatedData
 from fedfew.data.federated import build_federated_data, to_device
 from fedfew.distributed import gather_rows
 from fedfew.evaluation import evaluate_clients
+from fedfew.io import atomic_torch_save
 from fedfew.models import MODELS, DataInfo
 from fedfew.module import KModelSet
 from fedfew.seeding import derive_seed
@@ -174,6 +175,7 @@ class Simulation:
             "config": OmegaConf.to_container(cfg, resolve=True),
             "summary": final["summary"],
             "clients": final["clients"],
+            "loss": logs.get("loss"),
             "alpha": logs.get("alpha"),
             "w": logs.get("w"),
             "participants": logs.get("participants"),
@@ -183,5 +185,7 @@ class Simulation:
             "seconds_per_round": wall / max(1, len(self.history)),
             "world_size": fabric.world_size,
         }
+        if cfg.get("save_models", False) and fabric.global_rank == 0:
+            atomic_torch_save(self.run_dir / "models.pt", [m.state_dict() for m in self.module.models])
         fabric.call("on_fit_end", sim=self, results=results)
         return results

@@ -21,14 +21,16 @@ def make_fabric(cfg: DictConfig, run_dir: Path):
     """Lightning Fabric from ``cfg.trainer`` with the loggers and callbacks of a run."""
     from lightning.fabric import Fabric
 
-    from fedfew.callbacks import ConsoleReport, LoggerBridge, ResultFiles
+    from fedfew.callbacks import ConsoleReport, LoggerBridge, PlotFiles, ResultFiles
     from fedfew.loggers import build_loggers
+    from fedfew.monitoring import WandbMonitor
+    from fedfew.partition_report import PartitionReport
 
     t = cfg.trainer
     return Fabric(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
         precision=t.precision, loggers=build_loggers(cfg.logger, run_dir),
-        callbacks=[ResultFiles(run_dir), LoggerBridge(), ConsoleReport()],
+        callbacks=[ResultFiles(run_dir), PlotFiles(run_dir), PartitionReport(run_dir), LoggerBridge(), WandbMonitor(), ConsoleReport()],
     )
 
 

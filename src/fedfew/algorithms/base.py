@@ -10,6 +10,17 @@ A round, as driven by :mod:`fedfew.simulation`::
 
 and at evaluation time each client is scored with ``alg.candidates(client)``: the model(s) it
 may use; the one with the lowest eval-mode loss on the client's selection split is chosen.
+
+The hooks a method fills in, and nothing else:
+
+- ``num_models(cfg)``: how many server models it keeps (FedFew, IFCA: K; the others: 1);
+- ``client_update``: what a client does with the broadcast state (its local training);
+- ``end_round``: how the server aggregates what the clients sent;
+- ``candidates``: which model(s) a client is scored with;
+- per-client state that persists between rounds (personal heads, personal models) goes
+  through :meth:`Algorithm.save_client` / :meth:`Algorithm.load_client`, which keep it on
+  the host (``ctx.host_state``), never on the device;
+- ``communication(cfg, model)``: parameters sent per participating client per round.
 """
 from __future__ import annotations
 
@@ -88,9 +99,39 @@ class Algorithm:
         """Models client ``client`` may be scored with (default: every server model)."""
         return list(self.ctx.module.models)
 
+    @classmethod
+    def communication(cls, cfg: DictConfig, model: nn.Module) -> tuple[int, int]:
+        """Parameters (up, down) one participating client sends and receives per round.
+
+        Default: all ``num_models(cfg)`` server models both ways (FedFew: K x d up and down).
+
+        Args:
+            cfg: the ``algorithm`` config node.
+            model: one freshly built model of the run's architecture (for d and body/head sizes).
+        """
+        d = sum(p.numel() for p in model.parameters())
+        return cls.num_models(cfg) * d, cls.num_models(cfg) * d
+
+    # -- per-client state on the host -------------------------------------------------------
+
+    def save_client(self, client_id: int, **tensors: torch.Tensor) -> None:
+        """Keep ``tensors`` for client ``client_id`` between rounds, as detached CPU copies."""
+        slot = self.ctx.host_state.setdefault(int(client_id), {})
+        for name, value in tensors.items():
+            slot[name] = value.detach().to("cpu", copy=True)
+
+    def load_client(self, client_id: int, name: str) -> torch.Tensor | None:
+        """Client ``client_id``'s saved tensor ``name`` on the training device (None if never saved)."""
+        value = self.ctx.host_state.get(int(client_id), {}).get(name)
+        return None if value is None else value.to(self.ctx.fabric.device)
+
     def state_dict(self) -> dict[str, Any]:
-        """Server-side state beyond the K models (for checkpoints)."""
-        return {}
+        """Server-side state beyond the K models (for checkpoints): the per-client host state
+        when there is any."""
+        return {"host_state": self.ctx.host_state} if self.ctx.host_state else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
+        if "host_state" in state:
+            self.ctx.host_state.clear()
+            self.ctx.host_state.update({int(k): dict(v) for k, v in state["host_state"].items()})

@@ -1,0 +1,92 @@
+"""FedRep (Collins et al., 2021, "Exploiting Shared Representations for Personalized
+Federated Learning").
+
+Every model is ``head(body(x))`` (:class:`fedfew.models.base.BodyHead`): the body is a
+representation shared by all clients, the linear head is personal. Each participating client
+loads the global body and its own head (the server's initial head the first time), trains
+the head for ``head_epochs`` epochs with the body frozen, then the body for ``local_epochs``
+epochs with its new head frozen, keeps the head on the host and sends the body. The server
+sets the body to the sample-weighted mean of the clients' bodies; the server's head is never
+averaged (it only seeds new clients' heads). A client is scored with the global body and its
+own head.
+
+Config (``conf/algorithm/fedrep.yaml``): ``head_epochs`` (paper: 10 local epochs for the head
+and 1 for the representation). The body epochs are the shared budget ``local_epochs``.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from fedfew.algorithms import ALGORITHMS
+from fedfew.algorithms._averaging import Averaging, loss_row
+from fedfew.data.base import ClientSplit
+from fedfew.module import assign_flat_, flat_parameters
+
+
+@contextmanager
+def train_only(model: nn.Module, part: nn.Module) -> Iterator[None]:
+    """Freeze every parameter of ``model`` outside ``part`` (their gradients stay None, so
+    SGD leaves them alone); restores the flags afterwards."""
+    keep = {id(p) for p in part.parameters()}
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        for p, _ in flags:
+            p.requires_grad_(id(p) in keep)
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def _check_body_head(model: nn.Module) -> None:
+    if not (hasattr(model, "body") and hasattr(model, "head")):
+        raise ValueError(f"algorithm=fedrep needs a model with .body and .head (BodyHead); got {type(model).__name__}")
+
+
+@ALGORITHMS.register("fedrep")
+class FedRep(Averaging):
+    """Shared body averaged by the server, personal heads kept on the host (``head``)."""
+
+    def __init__(self, cfg, ctx) -> None:
+        super().__init__(cfg, ctx)
+        _check_body_head(ctx.module.working)
+        self.head_epochs = int(cfg.head_epochs)
+        if self.head_epochs < 0:
+            raise ValueError(f"algorithm.head_epochs={self.head_epochs} must be >= 0")
+
+    def shared(self, model: nn.Module) -> nn.Module:
+        return model.body
+
+    @classmethod
+    def communication(cls, cfg: DictConfig, model: nn.Module) -> tuple[int, int]:
+        body = sum(p.numel() for p in model.body.parameters())
+        return body, body
+
+    def _load(self, client: ClientSplit) -> None:
+        """Global body (and buffers) plus the client's head, when it has one, into the working copy."""
+        working = self.ctx.module.working
+        self.ctx.module.load_working(0)
+        head = self.load_client(client.id, "head")
+        if head is not None:
+            assign_flat_(working.head, head)
+
+    def client_update(self, client: ClientSplit, rnd: int) -> dict[str, torch.Tensor]:
+        working = self.ctx.module.working
+        self._load(client)
+        if self.head_epochs > 0:
+            with train_only(working, working.head):
+                self.local_train(client, rnd, None, epochs=self.head_epochs, stream="head")
+        with train_only(working, working.body):
+            loss = self.local_train(client, rnd, None, stream="body")
+        self.save_client(client.id, head=flat_parameters(working.head))
+        self.contribute(0, client)
+        return {"loss": loss_row(loss)}
+
+    def candidates(self, client: ClientSplit) -> list[nn.Module]:
+        self._load(client)
+        return [self.ctx.module.working]

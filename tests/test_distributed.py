@@ -1,0 +1,51 @@
+"""Sharding clients over processes (Fabric, CPU, gloo) gives the 1-process result."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_train_cli import train
+
+
+def run(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, list]:
+    run_dir = tmp_path / name
+    proc = train(f"hydra.run.dir={run_dir}", "save_models=true", "logger=none", "trainer.accelerator=cpu",
+                 "trainer.threads=1", *overrides, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((run_dir / "results.json").read_text())
+    models = torch.load(run_dir / "models.pt")
+    return results, models
+
+
+def assert_same_run(a: tuple[dict, list], b: tuple[dict, list], tol: float = 1e-5) -> None:
+    ra, ma = a
+    rb, mb = b
+    for key in ("loss", "alpha", "w"):
+        torch.testing.assert_close(torch.tensor(ra[key]), torch.tensor(rb[key]), rtol=tol, atol=tol)
+    assert [c["model"] for c in ra["clients"]] == [c["model"] for c in rb["clients"]]
+    assert [c["acc"] for c in ra["clients"]] == pytest.approx([c["acc"] for c in rb["clients"]], abs=1e-9)
+    assert ra["partition_hash"] == rb["partition_hash"]
+    for sa, sb in zip(ma, mb):
+        for name in sa:
+            torch.testing.assert_close(sa[name], sb[name], rtol=tol, atol=tol)
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one(tmp_path):
+    common = ("rounds=2", "num_clients=8", "eval_every=1")
+    one = run(tmp_path, "one", *common)
+    two = run(tmp_path, "two", *common, "trainer.devices=2", "trainer.strategy=ddp")
+    assert two[0]["world_size"] == 2 and one[0]["world_size"] == 1
+    assert_same_run(one, two)
+
+
+@pytest.mark.slow
+def test_fewer_clients_than_processes_does_not_hang(tmp_path):
+    common = ("rounds=2", "num_clients=3", "partition=iid", "eval_every=1")
+    one = run(tmp_path, "one", *common)
+    four = run(tmp_path, "four", *common, "trainer.devices=4", "trainer.strategy=ddp")
+    assert four[0]["world_size"] == 4
+    assert_same_run(one, four)

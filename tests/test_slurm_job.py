@@ -70,5 +70,5 @@ def test_hydra_sweep_through_submitit_one_job_each(tmp_path, slurm_cluster):  # 
         w = json.loads((sweep / str(j) / "results.json").read_text())["w"]
         assert len(w) == 4 and all(len(row) == K for row in w)
     # one Slurm array task per configuration
-    tasks = [p.name for p in (sweep / ".submitit").iterdir() if "_" in p.name]
+    tasks = [p.name for p in (sweep / ".submitit").iterdir() if p.is_dir() and "_" in p.name]
     assert len(tasks) == 2, tasks

@@ -138,6 +138,8 @@ class WandbLogger(Logger):
         if not self.active:
             return None
         if self._run is not None:
+            if config:  # started earlier by another user of `experiment`: add the config now
+                self._call("config.update", lambda: self._run.config.update(config, allow_val_change=True))
             return self._run
         try:
             self._run = self._init(self.mode)

@@ -398,7 +398,7 @@ def read_wandb_run(path: str | Path, timeout: float = 60) -> WandbRunRecord:
             _merge(config, ((body.get("config") or {}).get("update") or {}))
         elif kind == "exit":
             exit_code = int(body.get("exit_code", 0))
-    config.pop("_wandb", None)
+    config = {k: v for k, v in config.items() if not k.startswith("_wandb")}  # W&B's own (chart specs...)
     return WandbRunRecord(path, run_id, history, config, summary, exit_code)
 
 

@@ -50,6 +50,19 @@ slurm: $(STAMP)
 		--python $(abspath $(BIN)/python) --run-root $(SLURM_OUT) --script $(SLURM_OUT)/last.sbatch -- \
 		dataset=$(DATASET) $(DATA_ARG) trainer.accelerator=$(ACCELERATOR) trainer.strategy=ddp $(ARGS)
 
+# compare: every algorithm on the same partitions and budget -> $(OUT)/compare.{csv,md};
+# finished runs are reused (an interrupted comparison resumes). ARGS go to every run.
+#   make compare DATASET=agnews ALGORITHMS="fedfew fedavg ifca" SEEDS="0 1 2" ARGS="rounds=10"
+ALGORITHMS ?=
+SEEDS ?= 0
+OUT ?= outputs/compare/$(DATASET)
+COMPARE_DATA_DIR := $(or $(DATA_DIR),$(FEDFEW_DATA_DIR),$(wildcard $(SHARED_DATA)))
+
+compare: $(STAMP)
+	WANDB_MODE=$${WANDB_MODE:-offline} WANDB_SILENT=true $(BIN)/python -m fedfew.compare --dataset $(DATASET) \
+		$(if $(strip $(ALGORITHMS)),--algorithms $(ALGORITHMS)) --seeds $(SEEDS) --out $(OUT) \
+		-- $(if $(COMPARE_DATA_DIR),data_dir=$(abspath $(COMPARE_DATA_DIR))) $(ARGS)
+
 slurm-up:
 	bash scripts/slurm/install.sh && bash scripts/slurm/start.sh
 

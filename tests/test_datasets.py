@@ -42,10 +42,13 @@ NEW_DATASETS = ("cifar10", "cifar100", "tinyimagenet", "femnist", "kvasir", "fed
 
 
 @pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    """Every test gets its own cache directory (never ~/.cache/fedfew) and no network."""
-    monkeypatch.setenv("FEDFEW_CACHE_DIR", str(tmp_path / "cache"))
+def cache_dir(tmp_path_factory, monkeypatch) -> Path:
+    """Every test gets its own cache directory (never ~/.cache/fedfew, never inside the test's
+    data directory) and no network."""
+    path = tmp_path_factory.mktemp("cache")
+    monkeypatch.setenv("FEDFEW_CACHE_DIR", str(path))
     monkeypatch.setenv("FEDFEW_OFFLINE", "1")
+    return path
 
 
 def _cfg(**kw):
@@ -65,18 +68,15 @@ def cifar_dir(tmp_path_factory) -> Path:
     from the real tarballs, once per session."""
     src = real_data_dir(*CIFAR_TARS)
     root = tmp_path_factory.mktemp("cifar_data")
-    with tarfile.open(src / CIFAR_TARS[1]) as tar:
+    with tarfile.open(src / CIFAR_TARS[1], mode="r|gz") as tar:
         tar.extractall(root / "cifar10", filter="data")
-    with tarfile.open(src / CIFAR_TARS[0]) as tar:
-        members = sorted((m for m in tar.getmembers() if m.isfile()), key=lambda m: m.name)
-        taken: dict[str, int] = {}
-        keep = []
-        for m in members:
-            cls = m.name.split("/")[-2]
-            if taken.get(cls, 0) < TRAIN_PER_CLASS:
+    taken: dict[str, int] = {}
+    with tarfile.open(src / CIFAR_TARS[0], mode="r|gz") as tar:  # one sequential pass, no seeking back
+        for m in tar:
+            cls = m.name.split("/")[-2] if m.isfile() else ""
+            if m.isfile() and taken.get(cls, 0) < TRAIN_PER_CLASS:
                 taken[cls] = taken.get(cls, 0) + 1
-                keep.append(m)
-        tar.extractall(root / "cifar10", members=keep, filter="data")
+                tar.extract(m, root / "cifar10", filter="data")
     return root
 
 
@@ -202,14 +202,14 @@ def test_femnist_real_writers_are_clients(real_data_dir):
 
 # --------------------------------------------------------------------------- AG News text cache (real)
 @pytest.mark.realdata(*AGNEWS_FILES)
-def test_agnews_token_cache_hit_and_key(real_data_dir, tmp_path):
+def test_agnews_token_cache_hit_and_key(real_data_dir, cache_dir):
     from fedfew.data.text import encode_texts
 
     pooled = DATASETS.get("agnews")(None, real_data_dir)
     cfg = OmegaConf.create({"tokenizer": "basic_english", "max_vocab": 5000, "max_length": 64})
     train_index = np.flatnonzero(~pooled.official_test.numpy())
     a = encode_texts_cached(pooled, train_index, cfg, real_data_dir)
-    assert len(list((tmp_path / "cache").glob("agnews-tokens-*.pt"))) == 1
+    assert len(list(cache_dir.glob("agnews-tokens-*.pt"))) == 1
     start = time.perf_counter()
     b = encode_texts_cached(pooled, train_index, cfg, real_data_dir)
     assert time.perf_counter() - start < 1.0
@@ -218,7 +218,7 @@ def test_agnews_token_cache_hit_and_key(real_data_dir, tmp_path):
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]) and got[2] == ref[2] == 5000
         assert got[0].dtype == torch.int64 and got[0].shape == (2000 + 7600, 64)
     encode_texts_cached(pooled, train_index[:1000], cfg, real_data_dir)  # other vocabulary source: other key
-    assert len(list((tmp_path / "cache").glob("agnews-tokens-*.pt"))) == 2
+    assert len(list(cache_dir.glob("agnews-tokens-*.pt"))) == 2
 
 
 # --------------------------------------------------------------------------- CIFAR formats (generated)
@@ -421,6 +421,7 @@ def test_imagefolder_errors_name_the_path(tmp_path):
 # --------------------------------------------------------------------------- Fed-ISIC2019 (generated)
 def _flamby(base: Path, rows: list[tuple[str, int, int, str]]) -> None:
     images = base / "ISIC_2019_Training_Input_preprocessed"
+    base.mkdir(parents=True)
     classes = ["MEL", "NV", "BCC", "AK", "BKL", "DF", "VASC", "SCC", "UNK"]
     with open(base / "train_test_split", "w", newline="") as fh:
         w = csv.writer(fh)
@@ -495,7 +496,7 @@ def test_cache_refuses_data_dir_and_recovers_from_damage(tmp_path, monkeypatch):
     good.path("x", "f" * 64).write_bytes(b"garbage")
     with pytest.warns(UserWarning, match="unreadable cache entry"):
         c, hit_c = good.get("x", "f" * 64, build)
-    assert not hit_c and len(calls) == 2 and torch.equal(c["t"], a["t"])
+    assert not hit_c and len(calls) == 2 and torch.equal(c["t"], torch.arange(5, dtype=torch.uint8))
 
 
 def test_decode_helpers(tmp_path):

@@ -153,6 +153,7 @@ def test_round_scalars_and_wandb_names_are_generic():
     logs = baseline_logs()
     s = round_scalars(logs, None)
     assert s["round"] == 2 and s["global_loss_mean"] == 0.7 and "g" not in s
+    assert s["personal_loss_mean"] == pytest.approx(0.25)  # Ditto-like per-client value: its mean
     assert s["train_loss_mean"] == pytest.approx(0.35) and s["train_loss_best_mean"] == pytest.approx(0.3)
     assert [s["clients_served/0"], s["clients_served/1"]] == [2, 2]
     evaluation = {"summary": {"acc_mean": 0.5, "acc_std": 0.1, "acc_min": 0.3, "acc_max": 0.7, "acc_weighted": 0.55,
@@ -160,6 +161,7 @@ def test_round_scalars_and_wandb_names_are_generic():
                   "clients": []}
     w = wandb_scalars(logs, evaluation)
     assert w["train/global_loss_mean"] == 0.7 and w["train/loss_mean"] == pytest.approx(0.35)
+    assert w["train/personal_loss_mean"] == pytest.approx(0.25)
     assert w["eval/acc_mean"] == 0.5 and w["eval/global_acc_mean"] == 0.4
     assert [w["eval/models_served/0"], w["eval/models_served/1"]] == [3, 1]
     assert not any(k.startswith("alpha") for k in w)

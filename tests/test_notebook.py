@@ -56,10 +56,13 @@ def text_of(nb) -> str:
 
 @pytest.mark.slow
 def test_notebook_on_a_folder_of_runs(sweep):
+    # a comparison table next to the runs, as `make compare` writes it (compare.csv)
+    acc = {name: json.loads((sweep / name / "results.json").read_text())["summary"]["acc_weighted"] for name in "01"}
+    (sweep / "compare.csv").write_text("algorithm,acc_weighted\n" + "".join(f"seed{n},{a!r}\n" for n, a in acc.items()))
     nb = execute(sweep)
     assert not [o for o in outputs(nb) if o.get("output_type") == "error"]
     text = text_of(nb)
-    assert "2 run(s)" in text
+    assert "2 run(s)" in text and "compare.csv" in text and "seed1" in text
     for name in ("0", "1"):
         res = json.loads((sweep / name / "results.json").read_text())
         # both runs in the comparison table, with their real accuracy

@@ -49,7 +49,8 @@ def _is_scalar(value: Any) -> bool:
 
 def train_scalars(logs: dict[str, Any]) -> dict[str, float]:
     """Scalars of one round's logs: round, time, lr, g, mean losses, per-model effective step
-    and clients served, plus any other scalar an algorithm logs (under its own name)."""
+    and clients served, plus any other scalar an algorithm logs (under its own name) and the
+    mean over participants of any other per-client tensor it logs (``<name>_mean``)."""
     out: dict[str, float] = {"round": logs["round"], "round_time_s": logs["round_time_s"], "lr": logs["lr"]}
     if "g" in logs:
         out["g"] = float(logs["g"])
@@ -66,9 +67,15 @@ def train_scalars(logs: dict[str, Any]) -> dict[str, float]:
         served = torch.bincount(logs["assignment"].long().flatten(), minlength=minlength)
         for k, v in enumerate(served.tolist()):
             out[f"clients_served/{k}"] = v
+    num_participants = len(logs.get("participants") or [])
     for key, value in logs.items():
-        if key not in STANDARD_LOG_KEYS and key not in out and _is_scalar(value):
+        if key in STANDARD_LOG_KEYS or key in out:
+            continue
+        if _is_scalar(value):
             out[key] = float(value)
+        elif (isinstance(value, torch.Tensor) and value.dim() >= 1 and value.is_floating_point()
+              and len(value) == num_participants > 0):
+            out[f"{key}_mean"] = float(value.double().mean())  # a per-client value, e.g. Ditto's personal_loss
     return out
 
 
@@ -160,8 +167,9 @@ def _previous_history(run_dir: Path, start_round: int) -> tuple[list, list]:
 
 class ResultFiles:
     """Writes ``config.yaml`` at the start, ``metrics.csv`` after every round,
-    ``history.json`` at every evaluation and at the end, and ``results.json`` at the end,
-    each atomically, on rank 0."""
+    ``history.json`` at every evaluation, on interruption and at the end, and ``results.json``
+    at the end, each atomically, on rank 0. A resumed run keeps the rows and history of the
+    rounds before its checkpoint."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
@@ -171,10 +179,23 @@ class ResultFiles:
         self.clients: list[dict[str, Any]] = []
 
     def on_fit_start(self, sim) -> None:
-        if sim.fabric.global_rank == 0:
-            atomic_write_text(self.run_dir / "config.yaml", OmegaConf.to_yaml(sim.cfg, resolve=True))
-            self.clients = client_info(sim)
-            self.rounds, self.evaluations = _previous_history(self.run_dir, int(getattr(sim, "start_round", 1)))
+        if sim.fabric.global_rank != 0:
+            return
+        atomic_write_text(self.run_dir / "config.yaml", OmegaConf.to_yaml(sim.cfg, resolve=True))
+        self.clients = client_info(sim)
+        # a resumed run: the rounds before the checkpoint come from its restored history
+        start = int(getattr(sim, "start_round", 1))
+        rounds, evaluations = _previous_history(self.run_dir, start)
+        before = [logs for logs in getattr(sim, "history", []) if logs.get("round", 0) < start]
+        summaries = {int(e["round"]): {k: v for k, v in e.items() if k != "round"}
+                     for e in getattr(sim, "evaluations", []) if e.get("round", 0) < start}
+        self.rows = [round_scalars(logs, {"summary": summaries[logs["round"]]} if logs["round"] in summaries else None)
+                     for logs in before]
+        self.rounds = [round_record(logs) for logs in before] if before else rounds
+        known = {e["round"] for e in evaluations}
+        self.evaluations = sorted(evaluations + [
+            {"round": r, "summary": to_jsonable(s), "acc": None, "model": None} for r, s in summaries.items() if r not in known
+        ], key=lambda e: e["round"])
 
     def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
         if sim.fabric.global_rank != 0:
@@ -198,6 +219,10 @@ class ResultFiles:
         history = build_history(sim, self.rounds, self.evaluations, self.clients)
         atomic_write_json(self.run_dir / "history.json", history)
         return history
+
+    def on_interrupt(self, sim, round: int) -> None:
+        if sim.fabric.global_rank == 0:
+            self.write_history(sim)
 
     def on_fit_end(self, sim, results: dict[str, Any]) -> None:
         if sim.fabric.global_rank == 0:
@@ -245,6 +270,10 @@ class PlotFiles:
     def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
         if self.enabled and evaluation is not None and round < int(sim.cfg.rounds) \
                 and time.monotonic() - self.last >= self.interval_s:
+            self.draw()
+
+    def on_interrupt(self, sim, round: int) -> None:
+        if self.enabled:
             self.draw()
 
     def on_fit_end(self, sim, results: dict[str, Any]) -> None:
@@ -318,6 +347,10 @@ class ConsoleReport:
         self.progress.update(self.task, completed=round, info=info)
         if not sys.stderr.isatty() and evaluation is not None:
             print(f"round {round}/{sim.cfg.rounds} {info} ({logs['round_time_s']:.2f} s/round)", flush=True)
+
+    def on_interrupt(self, sim, round: int) -> None:
+        if sim.fabric.global_rank == 0 and self.progress is not None:
+            self.progress.stop()
 
     def on_fit_end(self, sim, results: dict[str, Any]) -> None:
         if sim.fabric.global_rank != 0:

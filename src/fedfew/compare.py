@@ -11,6 +11,9 @@ alone, and its hash is checked to be the same for every algorithm of a seed). A 
 ``results.json`` exists is reused, so an interrupted comparison resumes where it stopped;
 reusing results produced with different overrides is refused.
 
+An override for one method's own key (``algorithm.K=5``) fails for the algorithms without that
+key; ``++algorithm.K=5`` adds it where missing (ignored there), or compare that method apart.
+
 Written to ``<out>`` (atomically): ``compare.csv`` and ``compare.md``, one row per algorithm:
 client-mean accuracy (mean and std over seeds), std across clients, min and max client
 accuracy, sample-weighted accuracy (each averaged over seeds), seconds per round, and
@@ -25,6 +28,7 @@ import csv
 import io
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -101,16 +105,28 @@ def check_reusable(run: Run) -> None:
         )
 
 
-def execute(run: Run, python: str = sys.executable) -> tuple[bool, float]:
-    """Train ``run`` in a subprocess (output to its log file); returns (success, seconds)."""
+def execute(run: Run, python: str = sys.executable) -> tuple[bool, float, float]:
+    """Train ``run`` in a subprocess (output to its log file).
+
+    Returns:
+        (success, wall seconds, CPU seconds of the subprocess: user + system).
+    """
     run.log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    command = [python, "-m", "fedfew.train", *run.overrides()]
     with run.log_path.open("w") as log:
-        log.write("$ " + " ".join([python, "-m", "fedfew.train", *run.overrides()]) + "\n")
+        log.write("$ " + " ".join(command) + "\n")
         log.flush()
-        proc = subprocess.run([python, "-m", "fedfew.train", *run.overrides()], stdout=log,
-                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    return proc.returncode == 0 and run.results_path.exists(), time.perf_counter() - start
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    ok = proc.returncode == 0 and run.results_path.exists()
+    return ok, time.perf_counter() - start, usage.ru_utime + usage.ru_stime
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -135,18 +151,18 @@ def run_all(runs: Sequence[Run], jobs: int = 1, python: str = sys.executable,
     if status:
         echo(f"reusing {len(status)} finished run(s): " + ", ".join(f"{r.algorithm}/seed{r.seed}" for r in status))
 
-    def one(item: tuple[int, Run]) -> tuple[Run, bool, float]:
+    def one(item: tuple[int, Run]) -> tuple[Run, bool, float, float]:
         i, run = item
         echo(f"[{i}/{len(todo)}] {run.algorithm} seed {run.seed} -> {run.dir}")
-        ok, seconds = execute(run, python)
-        return run, ok, seconds
+        return (run, *execute(run, python))
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for run, ok, seconds in pool.map(one, enumerate(todo, 1)):
+        for run, ok, seconds, cpu in pool.map(one, enumerate(todo, 1)):
             status[run] = "done" if ok else "failed"
             if ok:
                 acc = json.loads(run.results_path.read_text())["summary"]["acc_mean"]
-                echo(f"    {run.algorithm} seed {run.seed}: client-mean acc {acc:.4f} ({seconds:.0f} s)")
+                echo(f"    {run.algorithm} seed {run.seed}: client-mean acc {acc:.4f} "
+                     f"({seconds:.0f} s wall, {cpu:.0f} s CPU)")
             else:
                 echo(f"    {run.algorithm} seed {run.seed} FAILED after {seconds:.0f} s; log {run.log_path}:\n"
                      + _tail(run.log_path))
@@ -421,6 +437,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except CompareError as err:
+    except (CompareError, ValueError) as err:  # stale results, mismatched partitions, unknown names
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -41,6 +41,7 @@ RULES: list[Rule] = [
     Rule("local_epochs", "integer >= 1", lambda v: _is_int(v) and v >= 1),
     Rule("eval_every", "integer >= 1", lambda v: _is_int(v) and v >= 1),
     Rule("participation", "number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1),
+    Rule("checkpoint_every", "integer >= 0 (0: only on SIGTERM/SIGUSR1)", lambda v: _is_int(v) and v >= 0),
     Rule("clients_per_round", "null or integer >= 1", lambda v: v is None or (_is_int(v) and v >= 1)),
     Rule("optim.lr", "number > 0", lambda v: _is_number(v) and v > 0),
     Rule("optim.momentum", "number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1),

@@ -78,6 +78,7 @@ class WandbLogger(Logger):
         self._failed = False
         self._finished = False
         self._config: dict[str, Any] = {}
+        self.resume_id: str | None = None
 
     # -- Fabric's Logger interface -----------------------------------------------------------
 
@@ -114,12 +115,18 @@ class WandbLogger(Logger):
         self.log(metrics, step=step)
 
     def finalize(self, status: str) -> None:
-        """Finish the W&B run (bounded by ``finish_timeout``); prints the sync command offline."""
+        """Finish the W&B run (bounded by ``finish_timeout``); prints the sync command offline.
+
+        ``status``: ``success`` (exit code 0), ``interrupted`` (marked pre-empted, exit code 1)
+        or anything else (exit code 1).
+        """
         if self._run is None or self._finished:
             return
         self._finished = True
         run, self._run = self._run, None
         run_path = self._call("dir", lambda: Path(run.dir).parent)
+        if status == "interrupted":  # pre-empted; the run resumes from its checkpoint
+            self._call("mark_preempting", run.mark_preempting)
         self._call("finish", lambda: run.finish(exit_code=0 if status == "success" else 1))
         if self.mode == "offline" and run_path is not None:
             print(f"W&B: offline run saved; upload it with `wandb sync {run_path}`", flush=True)
@@ -131,10 +138,18 @@ class WandbLogger(Logger):
         """Whether W&B is (or can still be) in use on this rank."""
         return _rank() == 0 and not self._failed and not self._finished and self.mode != "disabled"
 
-    def start(self, config: dict[str, Any] | None = None):
-        """Create the W&B run on rank 0 if not done yet; returns it, or ``None``."""
+    def start(self, config: dict[str, Any] | None = None, run_id: str | None = None):
+        """Create the W&B run on rank 0 if not done yet; returns it, or ``None``.
+
+        Args:
+            config: run config to set (added to the run when it already exists).
+            run_id: resume this W&B run (a resumed fedfew run; W&B ignores resuming offline
+                but keeps the id, so ``wandb sync`` files both parts under one run).
+        """
         if config:
             self._config.update(config)
+        if run_id and self._run is None:
+            self.resume_id = str(run_id)
         if not self.active:
             return None
         if self._run is not None:
@@ -172,6 +187,7 @@ class WandbLogger(Logger):
             project=c.get("project") or "fedfew", entity=c.get("entity"), group=c.get("group"),
             tags=[str(t) for t in (c.get("tags") or [])] or None, name=c.get("run_name"),
             dir=str(self.save_dir), mode=mode, config=self._config or None, settings=settings,
+            id=self.resume_id, resume="allow" if self.resume_id else None,
         )
 
     def log(self, data: dict[str, Any], step: int | None = None) -> None:

@@ -174,16 +174,34 @@ class WandbMonitor:
         self.media_every = max(1, int(cfg.get("media_every") or self.media_every))
         self.per_client_scalars = int(cfg.get("per_client_scalars", self.per_client_scalars) or 0)
         config = OmegaConf.to_container(sim.cfg, resolve=True)
+        state = getattr(sim, "logger_state", None)  # kept in checkpoints: a resumed run continues its W&B run
         for logger in self.loggers:
-            logger.start(config=config)
+            logger.start(config=config, run_id=(state or {}).get("wandb_run_id"))
+            if isinstance(state, dict) and logger.version:
+                state["wandb_run_id"] = logger.version
         self.loggers = [lg for lg in self.loggers if lg.active]
         self.clients = self._guard("client info", lambda: client_info(sim)) or []
+        for logs in getattr(sim, "history", []):  # rounds before a resume
+            self._guard("resume", lambda: self._remember(logs))
+
+    def _remember(self, logs: dict[str, Any]) -> None:
+        columns = client_columns(logs)
+        participants = [int(c) for c in logs.get("participants") or []]
+        if "alpha" in columns:
+            self.alpha_rounds.append((int(logs["round"]), participants, columns["alpha"][:, 0].tolist()))
+        if "assignment" in columns:
+            self.previous_assignment.update(zip(participants, columns["assignment"][:, 0].astype(int).tolist()))
 
     def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
         if not self.loggers:
             return
         payload = self._guard("round payload", lambda: self.round_payload(sim, round, logs, evaluation))
         self._log(payload, round)
+
+    def on_interrupt(self, sim, round: int) -> None:
+        for logger in self.loggers:
+            logger.finalize("interrupted")
+        self.loggers = []
 
     def on_fit_end(self, sim, results: dict[str, Any]) -> None:
         if not self.loggers:

@@ -77,8 +77,7 @@ def write_heatmap(report: dict[str, Any], path: str | Path) -> Path:
     masked = np.ma.masked_equal(counts, 0)
     import matplotlib
 
-    cmap = matplotlib.colormaps["viridis"].copy()
-    cmap.set_bad("white")
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")
     im = ax.imshow(masked, aspect="auto", interpolation="nearest", cmap=cmap, origin="upper")
     fig.colorbar(im, ax=ax, label="samples (train + test)")
     ax.set_xlabel("client")

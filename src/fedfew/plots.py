@@ -268,19 +268,21 @@ def save_figure(fig: Figure, path: str | Path) -> Path:
 
 
 def figures(history: dict[str, Any], w_rounds: Iterable[int] | None = None) -> dict[str, Callable[[], Figure | None]]:
-    """File name -> figure builder for every picture of a run (see the module docstring)."""
+    """File name -> figure builder for every picture of a run (see the module docstring); the
+    heatmaps are drawn for ``w`` and for a loss matrix with more than one model, when logged."""
     out: dict[str, Callable[[], Figure | None]] = {
         "accuracy.png": lambda: accuracy_figure(history),
         "alpha.png": lambda: alpha_figure(history),
         "assignment.png": lambda: assignment_figure(history),
         "client_accuracy.png": lambda: client_accuracy_figure(history),
     }
-    chosen = list(w_rounds) if w_rounds else default_rounds(history)
-    available = {r["round"] for r in rounds_with(history, "w")}
-    for rnd in chosen:
-        if rnd in available:
-            out[f"w_round_{rnd:04d}.png"] = lambda rnd=rnd: matrix_figure(history, rnd, "w")
-            out[f"loss_round_{rnd:04d}.png"] = lambda rnd=rnd: matrix_figure(history, rnd, "loss")
+    for key in ("w", "loss"):
+        recs = [r for r in rounds_with(history, key) if np.ndim(r[key]) == 2 and len(r[key]) and len(r[key][0]) > 1]
+        available = {r["round"] for r in recs}
+        chosen = list(w_rounds) if w_rounds else default_rounds({"rounds": recs}, key)
+        for rnd in chosen:
+            if rnd in available:
+                out[f"{key}_round_{rnd:04d}.png"] = lambda rnd=rnd, key=key: matrix_figure(history, rnd, key)
     return out
 
 

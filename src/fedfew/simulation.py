@@ -22,9 +22,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms.base import Algorithm, Context
+from fedfew.checkpoint import StopSignal, checkpoint_path, rng_states, save_checkpoint, set_rng_states
 from fedfew.data.base import FederatedData
 from fedfew.data.federated import build_federated_data, to_device
-from fedfew.distributed import gather_rows
+from fedfew.distributed import all_reduce_, gather_rows
 from fedfew.evaluation import evaluate_clients
 from fedfew.io import atomic_torch_save
 from fedfew.models import MODELS, DataInfo
@@ -112,6 +113,9 @@ class Simulation:
         self.history: list[dict[str, Any]] = []
         self.evaluations: list[dict[str, Any]] = []
         self.start_round = 1
+        self.wall_time_s = 0.0
+        self.logger_state: dict[str, Any] = {}  # e.g. the W&B run id, kept across resumes
+        self.stop_signal = StopSignal()
 
     @property
     def num_clients(self) -> int:
@@ -149,26 +153,88 @@ class Simulation:
         result["round"] = rnd
         return result
 
+    # ---- checkpoints -------------------------------------------------------------------
+    def state_dict(self, rnd: int) -> dict[str, Any]:
+        """Everything later rounds depend on (see :mod:`fedfew.checkpoint`)."""
+        return {
+            "round": rnd,
+            "models": self.module.models.state_dict(),
+            "algorithm": self.algorithm.state_dict(),
+            "host_state": self.ctx.host_state,
+            "rng": rng_states(),
+            "history": self.history,
+            "evaluations": self.evaluations,
+            "wall_time_s": self.wall_time_s,
+            "partition_hash": self.host_data.partition_hash,
+            "logger_state": self.logger_state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint: the next round is ``state["round"] + 1``.
+
+        Raises:
+            ValueError: the checkpoint was made on a different partition.
+        """
+        if state["partition_hash"] != self.host_data.partition_hash:
+            raise ValueError(
+                "resume: the checkpoint's partition differs from this run's (different seed, dataset, "
+                "num_clients or partition settings); resume with the original config or start a new run"
+            )
+        self.module.models.load_state_dict(state["models"])
+        self.algorithm.load_state_dict(state["algorithm"])
+        self.ctx.host_state.clear()
+        self.ctx.host_state.update(state["host_state"])
+        set_rng_states(state["rng"])
+        self.history = list(state["history"])
+        self.evaluations = list(state["evaluations"])
+        self.wall_time_s = float(state.get("wall_time_s", 0.0))
+        self.logger_state = dict(state.get("logger_state", {}))
+        self.start_round = int(state["round"]) + 1
+
+    def save_checkpoint(self, rnd: int) -> None:
+        if self.fabric.global_rank == 0:
+            save_checkpoint(checkpoint_path(self.run_dir), self.state_dict(rnd))
+        self.fabric.barrier()
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank received a pre-emption signal (all ranks agree)."""
+        flag = torch.tensor([1.0 if self.stop_signal.requested else 0.0], device=self.fabric.device)
+        return bool(all_reduce_(flag, "max").item() > 0)
+
     def fit(self) -> dict[str, Any]:
-        """Run every round, evaluating every ``eval_every`` rounds and after the last one.
+        """Run every round, evaluating every ``eval_every`` rounds and after the last one;
+        checkpoint every ``checkpoint_every`` rounds and when SIGTERM/SIGUSR1 arrives (then
+        stop after the current round, returning ``{"interrupted": True, ...}``).
 
         Returns:
             the final evaluation (``clients``, ``summary``), last logs and timings.
         """
         cfg, fabric = self.cfg, self.fabric
         fabric.call("on_fit_start", sim=self)
-        start = time.perf_counter()
+        every = int(cfg.get("checkpoint_every") or 0)
+        self.stop_signal.install()
         evaluation: dict[str, Any] | None = None
-        logs: dict[str, Any] = {}
-        for rnd in range(self.start_round, int(cfg.rounds) + 1):
-            logs = self.run_round(rnd)
-            self.history.append(logs)
-            evaluation = None
-            if rnd % int(cfg.eval_every) == 0 or rnd == int(cfg.rounds):
-                evaluation = self.evaluate(rnd)
-                self.evaluations.append({"round": rnd, **evaluation["summary"]})
-            fabric.call("on_round_end", sim=self, round=rnd, logs=logs, evaluation=evaluation)
-        wall = time.perf_counter() - start
+        logs: dict[str, Any] = self.history[-1] if self.history else {}
+        try:
+            for rnd in range(self.start_round, int(cfg.rounds) + 1):
+                start = time.perf_counter()
+                logs = self.run_round(rnd)
+                self.history.append(logs)
+                evaluation = None
+                if rnd % int(cfg.eval_every) == 0 or rnd == int(cfg.rounds):
+                    evaluation = self.evaluate(rnd)
+                    self.evaluations.append({"round": rnd, **evaluation["summary"]})
+                self.wall_time_s += time.perf_counter() - start
+                fabric.call("on_round_end", sim=self, round=rnd, logs=logs, evaluation=evaluation)
+                stop = self._stop_requested()
+                if (every and rnd % every == 0) or stop:
+                    self.save_checkpoint(rnd)
+                if stop and rnd < int(cfg.rounds):
+                    fabric.call("on_interrupt", sim=self, round=rnd)
+                    return {"interrupted": True, "round": rnd, "signal": self.stop_signal.signum}
+        finally:
+            self.stop_signal.uninstall()
+        wall = self.wall_time_s
         final = evaluation if evaluation is not None else self.evaluate(int(cfg.rounds))
         final["summary"]["rounds"] = int(cfg.rounds)
         results = {

@@ -10,6 +10,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from fedfew.checkpoint import load_checkpoint, resolve_resume
 from fedfew.config import ConfigError, validate_config
 from fedfew.data.base import DataNotFoundError
 
@@ -30,7 +31,7 @@ def make_fabric(cfg: DictConfig, run_dir: Path):
     return Fabric(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
         precision=t.precision, loggers=build_loggers(cfg.logger, run_dir),
-        callbacks=[ResultFiles(run_dir), PlotFiles(run_dir), PartitionReport(run_dir), LoggerBridge(), WandbMonitor(), ConsoleReport()],
+        callbacks=[ResultFiles(run_dir), PlotFiles(run_dir), WandbMonitor(), PartitionReport(run_dir), LoggerBridge(), ConsoleReport()],
     )
 
 
@@ -49,9 +50,15 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if cfg.trainer.get("threads"):
         torch.set_num_threads(int(cfg.trainer.threads))
     data = build_federated_data(cfg)  # fails fast on missing files / impossible partitions
+    resume_from = resolve_resume(cfg.get("resume"), run_dir)
     fabric = make_fabric(cfg, run_dir)
     fabric.launch()
-    return Simulation(cfg, fabric, run_dir, data=data).fit()
+    sim = Simulation(cfg, fabric, run_dir, data=data)
+    if resume_from is not None:
+        sim.load_state_dict(load_checkpoint(resume_from))
+        if fabric.global_rank == 0:
+            print(f"resumed from {resume_from} at round {sim.start_round}", flush=True)
+    return sim.fit()
 
 
 def _only_hydra_files(run_dir: Path) -> bool:
@@ -69,7 +76,12 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     fresh = _only_hydra_files(run_dir)
     try:
-        run(cfg, run_dir)
+        results = run(cfg, run_dir)
+        if results.get("interrupted"):
+            print(f"stopped by signal {results['signal']} after round {results['round']}; checkpoint in "
+                  f"{run_dir / 'checkpoints'}; continue with: python -m fedfew.train <same overrides> "
+                  f"hydra.run.dir={run_dir} resume=auto", file=sys.stderr, flush=True)
+            sys.exit(128 + int(results["signal"] or 15))
     except USER_ERRORS as err:
         _discard_if_unstarted(run_dir, fresh)
         print(f"error: {err}", file=sys.stderr)

@@ -14,6 +14,7 @@ The module name starts with ``_`` so the algorithm registry does not treat it as
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -130,11 +131,20 @@ class Averaging(Algorithm):
             penalty=penalty, autocast=ctx.autocast,
         )
 
-    def contribute(self, k: int, client: ClientSplit) -> None:
+    def contribute(self, k: int, client: ClientSplit) -> bool:
         """Add the working copy (its shared part) as the client's model for server model k,
-        weighted by n_i."""
+        weighted by n_i. A non-finite model is left out with a warning (or raises
+        FloatingPointError with ``fail_on_nonfinite``), as FedFew does; returns whether it
+        was added."""
         delta = flat_parameters(self.shared(self.ctx.module.working)) - self._server[k]
+        if not bool(torch.isfinite(delta).all()):
+            message = f"client {client.id}: non-finite local model; it is excluded from this round's aggregation"
+            if self.ctx.cfg.get("fail_on_nonfinite", False):
+                raise FloatingPointError(message + " (fail_on_nonfinite=true)")
+            warnings.warn(message)
+            return False
         self._sum.add(k, float(self.ctx.num_train[client.id]), delta)
+        return True
 
     def end_round(self, rnd: int, participants: list[int], rows: dict[str, torch.Tensor]) -> dict[str, Any]:
         self._sum.all_reduce_()

@@ -126,12 +126,8 @@ class Algorithm:
         return None if value is None else value.to(self.ctx.fabric.device)
 
     def state_dict(self) -> dict[str, Any]:
-        """Server-side state beyond the K models (for checkpoints): the per-client host state
-        when there is any."""
-        return {"host_state": self.ctx.host_state} if self.ctx.host_state else {}
+        """Server-side state beyond the K models and ``ctx.host_state`` (for checkpoints)."""
+        return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
-        if "host_state" in state:
-            self.ctx.host_state.clear()
-            self.ctx.host_state.update({int(k): dict(v) for k, v in state["host_state"].items()})

@@ -21,6 +21,7 @@ weighted mean of its deltas, FedAvg-sized steps instead of ~1/K of one).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -35,6 +36,20 @@ from fedfew.scalarization import SAMPLE_WEIGHTINGS, client_log_weights, stch_set
 from fedfew.seeding import derive_seed
 
 LOSS_SOURCES = ("running", "pre")
+
+
+def exclude_nonfinite_client(client_id: int, rnd: int, losses: torch.Tensor, fatal: bool) -> None:
+    """Warn that a client's loss or update is not finite (it is left out of this round), or
+    raise when ``fail_on_nonfinite`` is set.
+
+    Raises:
+        FloatingPointError: with ``fatal``.
+    """
+    message = (f"round {rnd}: client {client_id} has a non-finite loss or update (losses {losses.tolist()}); "
+               "it is excluded from this round's aggregation")
+    if fatal:
+        raise FloatingPointError(message + " (fail_on_nonfinite=true)")
+    warnings.warn(message)
 
 
 @ALGORITHMS.register("fedfew")
@@ -83,34 +98,51 @@ class FedFew(Algorithm):
             if self.cfg.loss_source == "running":
                 losses[k] = running
             deltas.append(flat_parameters(module.working) - self._server_flat[k])
-        # the same p_i = n_i / sum_j n_j (over this round's participants) as stch_set's
-        p_i = float(ctx.num_train[client.id]) / self._participant_total
-        scaled = losses * (p_i if self.cfg.sample_weighting == "samples" else 1.0)
-        if bool(torch.isfinite(scaled).all()):
-            log_w = client_log_weights(scaled, self.mu)
-            for k in range(module.K):
-                self._accumulator.add(k, float(log_w[k]), deltas[k])
+        if not (bool(torch.isfinite(losses).all()) and all(bool(torch.isfinite(d).all()) for d in deltas)):
+            exclude_nonfinite_client(client.id, rnd, losses, run.get("fail_on_nonfinite", False))
+            return {"loss": torch.full_like(losses, float("nan"))}
+        log_w = client_log_weights(losses * self._loss_scale(client.id), self.mu)
+        for k in range(module.K):
+            self._accumulator.add(k, float(log_w[k]), deltas[k])
         return {"loss": losses}
 
+    def _loss_scale(self, client_id: int) -> float:
+        """p_i = n_i / sum_j n_j over this round's participants (``samples``), else 1."""
+        if self.cfg.sample_weighting != "samples":
+            return 1.0
+        return float(self.ctx.num_train[client_id]) / self._participant_total
+
     def end_round(self, rnd: int, participants: list[int], rows: dict[str, torch.Tensor]) -> dict[str, Any]:
-        losses = rows["loss"].double()
-        weights = stch_set(losses, self.mu, self.ctx.num_train[participants], self.cfg.sample_weighting)
-        update = self._accumulator.all_reduce_().result(float(weights.g) / self.mu)
-        weight = weights.alpha[:, None] * weights.w
-        step = torch.ones(self.ctx.module.K, dtype=torch.float64)
+        losses = rows["loss"].double().cpu()
+        K = self.ctx.module.K
+        valid = torch.isfinite(losses).all(dim=1)  # clients excluded for non-finite results
+        accumulator = self._accumulator.all_reduce_()
+        alpha = torch.zeros(len(participants), dtype=torch.float64)
+        w = torch.zeros(len(participants), K, dtype=torch.float64)
+        logs: dict[str, Any] = {"loss": losses, "excluded": [participants[j] for j in torch.nonzero(~valid).flatten().tolist()]}
+        if not bool(valid.any()):
+            warnings.warn(f"round {rnd}: every participating client was excluded; the models keep their parameters")
+            self._accumulator, self._server_flat = None, []
+            return {**logs, "g": float("nan"), "alpha": alpha, "w": w, "assignment": torch.zeros(len(participants), dtype=torch.long),
+                    "effective_step": torch.zeros(K, dtype=torch.float64)}
+        # the same scaled losses L'_ik = p_i L_ik as the clients used for their log weights
+        scale = torch.tensor([self._loss_scale(c) for c in participants], dtype=torch.float64)
+        weights = stch_set((losses * scale[:, None])[valid], self.mu)
+        alpha[valid], w[valid] = weights.alpha, weights.w
+        update = accumulator.result(float(weights.g) / self.mu)
+        weight = alpha[:, None] * w
+        step = torch.ones(K, dtype=torch.float64)
         if self.cfg.get("normalize", False):
             # each model moves by the weighted *mean* of its deltas (FedAvg-sized steps)
             total = weight.sum(dim=0)
             step = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
         eta = float(self.cfg.server_lr)
         for k, model in enumerate(self.ctx.module.models):
-            assign_flat_(model, self._server_flat[k] + (eta * float(step[k])) * update[k])
+            new = self._server_flat[k] + (eta * float(step[k])) * update[k]
+            if not bool(torch.isfinite(new).all()):  # never let NaN/inf reach a server model
+                warnings.warn(f"round {rnd}: the update of model {k} is not finite; model {k} keeps its parameters")
+                continue
+            assign_flat_(model, new)
         self._accumulator, self._server_flat = None, []
-        return {
-            "g": float(weights.g),
-            "loss": losses,
-            "alpha": weights.alpha,
-            "w": weights.w,
-            "assignment": weights.w.argmax(dim=1),
-            "effective_step": weight.sum(dim=0),
-        }
+        return {**logs, "g": float(weights.g), "alpha": alpha, "w": w,
+                "assignment": w.argmax(dim=1), "effective_step": weight.sum(dim=0)}

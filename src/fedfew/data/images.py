@@ -12,7 +12,7 @@ Preprocessing keys of a dataset config (all part of the cache key except mean/st
 
 ``image_size``
     side S of the square images. ``null`` keeps the native size (every image must then have
-    the same size). Otherwise every image whose size is not S x S is resized so that its
+    the same size; it may be non-square). Otherwise every image whose size is not S x S is resized so that its
     shorter side is S (bilinear, antialiased) and centre-cropped to S x S.
 ``channels``
     3 (RGB) or 1 (grayscale); images are converted on decoding.
@@ -47,6 +47,7 @@ from fedfew.data.cache import TensorCache, cache_key, files_identity
 
 __all__ = [
     "IMAGE_EXTENSIONS",
+    "setting",
     "ImageDataset",
     "decode_images",
     "image_dataset",
@@ -73,7 +74,8 @@ class ImageDataset(PooledDataset):
     """A :class:`PooledDataset` of images kept as uint8 pixels.
 
     Attributes (beyond :class:`PooledDataset`'s):
-        inputs: (N, C, S, S) uint8 pixels (not normalised; see :meth:`normalized`).
+        inputs: (N, C, H, W) uint8 pixels, H = W = ``image_size`` when set (not normalised;
+            see :meth:`normalized`).
         mean, std: per-channel normalisation, length C.
         group_names: name of each natural group id (writer, centre), when ``groups`` is set.
         cache_hit: whether the pixels came from the on-disk cache.
@@ -98,7 +100,8 @@ class ImageDataset(PooledDataset):
 
 
 def _per_channel(value: Any, channels: int, what: str) -> tuple[float, ...]:
-    vals = [float(v) for v in (value if isinstance(value, (list, tuple, Sequence)) else [value])]
+    many = isinstance(value, Sequence) and not isinstance(value, str)
+    vals = [float(v) for v in (value if many else [value])]
     if len(vals) == 1:
         vals = vals * channels
     if len(vals) != channels:
@@ -294,7 +297,7 @@ def decode_images(files: Sequence[str], image_size: int | None, channels: int = 
             must then share.
         channels: 3 (RGB) or 1 (grayscale).
     Returns:
-        (N, C, S, S) uint8.
+        (N, C, S, S) uint8 ((N, C, H, W), the common native size, with ``image_size=None``).
     Raises:
         ValueError: an undecodable file, or different native sizes with ``image_size=None``
             (the message names both files and asks for ``dataset.image_size``).
@@ -312,9 +315,6 @@ def decode_images(files: Sequence[str], image_size: int | None, channels: int = 
             img = resize_square(img, int(image_size))
         if out is None:
             first = path
-            if image_size is None and img.shape[1] != img.shape[2]:
-                raise ValueError(f"{path} is {img.shape[2]}x{img.shape[1]} (not square); set dataset.image_size "
-                                 f"to resize and centre-crop every image")
             out = torch.empty((n, *img.shape), dtype=torch.uint8)
         elif img.shape != out.shape[1:]:
             raise ValueError(
@@ -329,7 +329,8 @@ def decode_images(files: Sequence[str], image_size: int | None, channels: int = 
 
 
 # --------------------------------------------------------------------------- caching
-def _cfg(cfg: Any, key: str, default: Any = None) -> Any:
+def setting(cfg: Any, key: str, default: Any = None) -> Any:
+    """``cfg[key]`` of a dataset config (DictConfig, dict or object), ``default`` when absent or null."""
     if cfg is None:
         return default
     value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
@@ -361,10 +362,11 @@ def load_cached(
         :class:`ImageDataset` with ``cache_hit`` set.
     """
     start = time.perf_counter()
-    use = bool(_cfg(cfg, "cache", True))
+    use = bool(setting(cfg, "cache", True))
     cache = TensorCache(data_dir=data_dir) if use else TensorCache(None, use_default=False)
     if cache.enabled:
-        preprocessing = {"image_size": _cfg(cfg, "image_size"), "channels": int(_cfg(cfg, "channels", default_channels)),
+        preprocessing = {"image_size": setting(cfg, "image_size"),
+                         "channels": int(setting(cfg, "channels", default_channels)),
                          "loader": LOADER_VERSION, **(extra_key or {})}
         key = cache_key(name, files_identity(sources), preprocessing)
         entry, hit = cache.get(name, key, build)
@@ -386,8 +388,8 @@ def image_dataset(name: str, entry: dict[str, Any], cfg: Any, cache_hit: bool = 
         groups=entry.get("groups"),
         class_names=list(entry["class_names"]),
         name=name,
-        mean=_cfg(cfg, "mean", 0.5),
-        std=_cfg(cfg, "std", 0.5),
+        mean=setting(cfg, "mean", 0.5),
+        std=setting(cfg, "std", 0.5),
         group_names=None if entry.get("group_names") is None else list(entry["group_names"]),
         cache_hit=cache_hit,
     )
@@ -418,7 +420,7 @@ def folder_entry(
 
     def build() -> dict[str, Any]:
         return {
-            "inputs": decode_images(files, _cfg(cfg, "image_size"), int(_cfg(cfg, "channels", 3))),
+            "inputs": decode_images(files, setting(cfg, "image_size"), int(setting(cfg, "channels", 3))),
             "targets": torch.tensor(labels, dtype=torch.int64),
             "official_test": torch.tensor(is_test, dtype=torch.bool) if has_test else None,
             "groups": None,

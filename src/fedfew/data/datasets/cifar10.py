@@ -29,7 +29,7 @@ import torch
 from fedfew.data.datasets import DATASETS
 from fedfew.data.images import (
     ImageDataset,
-    _cfg,
+    setting,
     convert_images,
     find_folder_layout,
     folder_entry,
@@ -95,7 +95,7 @@ def read_pickles(root: Path, spec: CifarSpec, cfg: Any) -> dict[str, Any]:
             ys.append(labels)
             test.append(np.full(len(labels), is_test))
     names = [n.decode() if isinstance(n, bytes) else str(n) for n in _unpickle(root / spec.meta_file)[spec.names_key]]
-    inputs = convert_images(torch.from_numpy(np.concatenate(xs)), _cfg(cfg, "image_size"), int(_cfg(cfg, "channels", 3)))
+    inputs = convert_images(torch.from_numpy(np.concatenate(xs)), setting(cfg, "image_size"), int(setting(cfg, "channels", 3)))
     return {
         "inputs": inputs,
         "targets": torch.from_numpy(np.concatenate(ys)),
@@ -126,7 +126,7 @@ def load_cifar(spec: CifarSpec, cfg: Any, data_dir: Path) -> ImageDataset:
         files, build = folder_entry(layout, cfg, classes)
         return load_cached(spec.name, cfg, data_dir, files, build, {"layout": "imagefolder"})
     root = _pickle_root(data_dir, spec)
-    if root is None and bool(_cfg(cfg, "download", True)):
+    if root is None and bool(setting(cfg, "download", True)):
         root = _download(spec, data_dir)
     if root is None:
         raise _missing(spec, data_dir, "No download was attempted (dataset.download=false).")
@@ -135,6 +135,12 @@ def load_cifar(spec: CifarSpec, cfg: Any, data_dir: Path) -> ImageDataset:
 
 
 def _missing(spec: CifarSpec, data_dir: Path, detail: str) -> Exception:
+    base = data_dir / spec.name
+    archives = sorted(p.name for p in base.iterdir() if p.name.endswith((".tar.gz", ".tgz", ".tar", ".zip"))) \
+        if base.is_dir() else []
+    if archives:
+        detail = (f"{base} holds archive(s) {', '.join(archives)}: unpack them (e.g. `tar xzf <archive> -C "
+                  f"<dir>/{spec.name}`) into a data directory, so that {spec.name}/train/<class>/ exists. " + detail)
     return not_found(
         spec.name, data_dir,
         [f"{spec.name}/train/<class>/*.jpg and {spec.name}/test/<class>/*.jpg (ImageFolder tree, any image format)",
@@ -151,7 +157,7 @@ def _download(spec: CifarSpec, data_dir: Path) -> Path | None:
     about 3 s instead of waiting for a download timeout)."""
     if not reachable(spec.url):
         raise _missing(spec, data_dir, f"A download from {spec.url} was not attempted: the host did not answer "
-                                       f"within 3 s (offline?); set dataset.download=false to skip this check.")
+                                       f"within 3 s (offline?) or FEDFEW_OFFLINE=1 is set; dataset.download=false skips this check.")
     import torchvision
 
     target = data_dir / spec.name

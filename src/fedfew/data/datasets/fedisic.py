@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from fedfew.data.datasets import DATASETS
-from fedfew.data.images import ImageDataset, _cfg, decode_images, load_cached, not_found
+from fedfew.data.images import ImageDataset, setting, decode_images, load_cached, not_found
 
 CLASS_NAMES = ["MEL", "NV", "BCC", "AK", "BKL", "DF", "VASC", "SCC"]
 CENTER_NAMES = ["BCN", "HAM_vidir_molemax", "HAM_vidir_modern", "HAM_rosendahl", "MSK", "HAM_vienna_dias"]
@@ -104,7 +104,7 @@ def load(cfg: Any, data_dir: Path) -> ImageDataset:
 
     def build() -> dict[str, Any]:
         return {
-            "inputs": decode_images(files, _cfg(cfg, "image_size"), int(_cfg(cfg, "channels", 3))),
+            "inputs": decode_images(files, setting(cfg, "image_size"), int(setting(cfg, "channels", 3))),
             "targets": torch.tensor([r[1] for r in rows], dtype=torch.int64),
             "official_test": torch.tensor([r[3] for r in rows], dtype=torch.bool),
             "groups": torch.tensor([r[2] for r in rows], dtype=torch.int64),

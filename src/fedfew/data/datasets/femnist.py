@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from fedfew.data.datasets import DATASETS
-from fedfew.data.images import ImageDataset, _cfg, convert_images, load_cached, not_found
+from fedfew.data.images import ImageDataset, setting, convert_images, load_cached, not_found
 
 SOURCE = ("the LEAF benchmark, https://github.com/TalwalkarLab/leaf (data/femnist: "
           "`./preprocess.sh -s niid --sf 0.05 -k 0 -t sample` writes data/train and data/test)")
@@ -46,7 +46,7 @@ def find_root(data_dir: Path, cfg: Any) -> Path:
         DataNotFoundError: none found (or ``dataset.root`` lacks the files).
         ValueError: several candidate folders and no ``dataset.root``.
     """
-    explicit = _cfg(cfg, "root")
+    explicit = setting(cfg, "root")
     if explicit:
         root = data_dir / str(explicit)
         if _has_split(root):
@@ -114,7 +114,7 @@ def build_entry(root: Path, cfg: Any) -> dict[str, Any]:
                 is_test.append(np.full(len(y), flag))
                 groups.append(np.full(len(y), g, dtype=np.int64))
     pixels = np.rint(np.concatenate(xs) * 255.0).clip(0, 255).astype(np.uint8).reshape(-1, 1, 28, 28)
-    inputs = convert_images(torch.from_numpy(pixels), _cfg(cfg, "image_size"), int(_cfg(cfg, "channels", 1)))
+    inputs = convert_images(torch.from_numpy(pixels), setting(cfg, "image_size"), int(setting(cfg, "channels", 1)))
     return {
         "inputs": inputs,
         "targets": torch.from_numpy(np.concatenate(ys)),

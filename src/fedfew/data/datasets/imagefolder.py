@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfew.data.datasets import DATASETS
-from fedfew.data.images import ImageDataset, _cfg, find_folder_layout, folder_entry, load_cached, not_found
+from fedfew.data.images import ImageDataset, setting, find_folder_layout, folder_entry, load_cached, not_found
 
 
 @DATASETS.register("imagefolder")
@@ -32,7 +32,7 @@ def load(cfg: Any, data_dir: Path) -> ImageDataset:
             test class folder that train lacks.
     """
     data_dir = Path(data_dir)
-    raw = _cfg(cfg, "root")
+    raw = setting(cfg, "root")
     layouts = ["<root>/<class>/*.jpg|png|...", "<root>/train/<class>/* and <root>/test/<class>/*"]
     if not raw:
         raise not_found("imagefolder", data_dir, layouts, "your own images",

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from fedfew.data.datasets import DATASETS
-from fedfew.data.images import ImageDataset, _cfg, decode_images, load_cached, not_found
+from fedfew.data.images import ImageDataset, setting, decode_images, load_cached, not_found
 
 URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
 LAYOUT = ("train/<wnid>/images/*.JPEG, val/images/*.JPEG and val/val_annotations.txt "
@@ -114,7 +114,7 @@ def load(cfg: Any, data_dir: Path) -> ImageDataset:
 
     def build() -> dict[str, Any]:
         return {
-            "inputs": decode_images(files, _cfg(cfg, "image_size"), int(_cfg(cfg, "channels", 3))),
+            "inputs": decode_images(files, setting(cfg, "image_size"), int(setting(cfg, "channels", 3))),
             "targets": torch.tensor(labels, dtype=torch.int64),
             "official_test": torch.tensor(test, dtype=torch.bool),
             "groups": None,

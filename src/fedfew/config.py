@@ -105,3 +105,11 @@ def validate_config(cfg: DictConfig) -> None:
         )
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(problems))
+
+
+def rules_markdown() -> str:
+    """The validated keys and their ranges as a Markdown table (pasted into the README)."""
+    lines = ["| key | allowed |", "|---|---|"]
+    lines += [f"| `{rule.key}` | {rule.allowed} |" for rule in RULES]
+    lines.append("| `algorithm.K` vs `num_clients` | K <= M (a model no client can select is wasted) |")
+    return "\n".join(lines)

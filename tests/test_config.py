@@ -1,0 +1,55 @@
+"""Config validation: each rule rejects bad values with the key named; the README lists them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedfew.config import RULES, ConfigError, rules_markdown, validate_config
+
+from conftest import compose_config
+
+
+def test_default_config_is_valid():
+    validate_config(compose_config())
+    validate_config(compose_config("dataset=agnews"))
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("algorithm.K=0", "algorithm.K=0: allowed integer >= 1"),
+        ("algorithm.mu=0.0", "algorithm.mu=0.0: allowed number > 0"),
+        ("optim.lr=-0.1", "optim.lr=-0.1"),
+        ("rounds=0", "rounds=0"),
+        ("participation=0.0", "participation=0.0: allowed number in (0, 1]"),
+        ("participation=1.5", "participation=1.5"),
+        ("partition.alpha=0.0", "partition.alpha=0.0"),
+        ("local_epochs=1.5", "local_epochs=1.5: allowed integer >= 1"),
+        ("algorithm.K=25", "algorithm.K=25 > num_clients=20"),
+    ],
+)
+def test_bad_values_are_named(override, needle):
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose_config(override))
+    assert needle in str(err.value)
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose_config("algorithm.K=0", "rounds=0", "algorithm.mu=-1"))
+    text = str(err.value)
+    assert "algorithm.K=0" in text and "rounds=0" in text and "algorithm.mu=-1" in text
+
+
+def test_unknown_key_rejected_by_hydra():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException):
+        compose_config("no_such_key=1")
+
+
+def test_readme_lists_every_rule():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert rules_markdown() in readme, "README's rules table is stale: paste fedfew.config.rules_markdown()"
+    assert len(RULES) >= 20

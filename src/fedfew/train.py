@@ -11,11 +11,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from fedfew.checkpoint import load_checkpoint, resolve_resume
-from fedfew.config import ConfigError, validate_config
-from fedfew.data.base import DataNotFoundError
+from fedfew.config import validate_config
 
-#: errors that are the user's to fix: printed as one clear message, exit code 2
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataNotFoundError, ValueError)
+class SetupError(Exception):
+    """A problem the user fixes (bad config value, missing data, impossible partition, unknown
+    name, unreadable checkpoint), raised before any training; printed as one line, exit code 2."""
 
 
 def make_fabric(cfg: DictConfig, run_dir: Path):
@@ -39,26 +39,30 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Validate, load the data, launch Fabric and train; returns the results dict.
 
     Raises:
-        ConfigError, DataNotFoundError, PartitionError: before any training.
+        SetupError: (from ConfigError, DataNotFoundError, PartitionError, an unknown name or a
+            bad checkpoint) before any training.
     """
-    validate_config(cfg)
-    import torch
+    try:
+        validate_config(cfg)
+        import torch
 
-    from fedfew.data.federated import build_federated_data
-    from fedfew.simulation import Simulation
+        from fedfew.data.federated import build_federated_data
+        from fedfew.simulation import Simulation
 
-    if cfg.trainer.get("threads"):
-        torch.set_num_threads(int(cfg.trainer.threads))
-    data = build_federated_data(cfg)  # fails fast on missing files / impossible partitions
-    resume_from = resolve_resume(cfg.get("resume"), run_dir)
-    fabric = make_fabric(cfg, run_dir)
-    fabric.launch()
-    sim = Simulation(cfg, fabric, run_dir, data=data)
-    if resume_from is not None:
-        sim.load_state_dict(load_checkpoint(resume_from))
-        if fabric.global_rank == 0:
-            print(f"resumed from {resume_from} at round {sim.start_round}", flush=True)
-    return sim.fit()
+        if cfg.trainer.get("threads"):
+            torch.set_num_threads(int(cfg.trainer.threads))
+        data = build_federated_data(cfg)  # fails fast on missing files / impossible partitions
+        resume_from = resolve_resume(cfg.get("resume"), run_dir)
+        fabric = make_fabric(cfg, run_dir)
+        fabric.launch()
+        sim = Simulation(cfg, fabric, run_dir, data=data)
+        if resume_from is not None:
+            sim.load_state_dict(load_checkpoint(resume_from))
+            if fabric.global_rank == 0:
+                print(f"resumed from {resume_from} at round {sim.start_round}", flush=True)
+    except (ValueError, FileNotFoundError) as err:  # ConfigError, DataNotFoundError, PartitionError, ...
+        raise SetupError(str(err)) from err
+    return sim.fit()  # errors from here on are bugs or crashes: full traceback
 
 
 def _only_hydra_files(run_dir: Path) -> bool:
@@ -82,7 +86,7 @@ def main(cfg: DictConfig) -> None:
                   f"{run_dir / 'checkpoints'}; continue with: python -m fedfew.train <same overrides> "
                   f"hydra.run.dir={run_dir} resume=auto", file=sys.stderr, flush=True)
             sys.exit(128 + int(results["signal"] or 15))
-    except USER_ERRORS as err:
+    except SetupError as err:
         _discard_if_unstarted(run_dir, fresh)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

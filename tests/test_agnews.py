@@ -140,6 +140,8 @@ def test_config_file() -> None:
         "max_length": 200,
         "num_classes": 4,
         "kind": "text",
+        "lr": 0.2,
+        "rounds": 40,
     }
 
 

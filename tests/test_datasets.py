@@ -107,10 +107,10 @@ def test_cifar10_imagefolder_real(real_data_dir, cifar_dir, cifar_loaded):
     assert int(ds.targets[0]) == 0 and int(ds.targets[n_train]) == 0 and int(ds.targets[-1]) == 9
     # first train sample = first airplane file in sorted order, decoded like PIL does
     first = sorted((cifar_dir / "cifar10" / "train" / "airplane").iterdir())[0]
-    ref = torch.from_numpy(np.asarray(Image.open(first).convert("RGB"))).permute(2, 0, 1).int()
+    ref = torch.from_numpy(np.array(Image.open(first).convert("RGB"))).permute(2, 0, 1).int()
     assert (ds.inputs[0].int() - ref).abs().max() <= 2
     last = sorted((cifar_dir / "cifar10" / "test" / "truck").iterdir())[-1]
-    ref = torch.from_numpy(np.asarray(Image.open(last).convert("RGB"))).permute(2, 0, 1).int()
+    ref = torch.from_numpy(np.array(Image.open(last).convert("RGB"))).permute(2, 0, 1).int()
     assert (ds.inputs[-1].int() - ref).abs().max() <= 2
     x = ds.normalized(torch.arange(4))
     assert x.dtype == torch.float32 and torch.allclose(x, ds.inputs[:4].float() / 127.5 - 1, atol=1e-6)

@@ -344,3 +344,22 @@ def test_apfl_round_matches_the_paper_updates(tmp_path, cpu_fabric):
         close(sim.ctx.host_state[i]["personal"], torch.cat([p.reshape(-1) for p in v]))
         assert abs(float(sim.ctx.host_state[i]["alpha"]) - alpha) < 1e-6
     assert any(abs(float(sim.ctx.host_state[i]["alpha"]) - alpha0) > 1e-6 for i in range(4))  # alpha moved
+
+
+def test_personal_state_runs_refuse_clients_changing_process():
+    from types import SimpleNamespace
+
+    from fedfew.algorithms._averaging import check_state_stays_put
+
+    def ctx(world, participation, per_round=None):
+        cfg = OmegaConf.create({"participation": participation, "clients_per_round": per_round})
+        return SimpleNamespace(cfg=cfg, num_train=torch.ones(8), fabric=SimpleNamespace(world_size=world))
+
+    with pytest.raises(ValueError, match="4 of 8 clients per round"):
+        check_state_stays_put(ctx(2, 0.5), "ditto")
+    with pytest.raises(ValueError, match="3 of 8"):
+        check_state_stays_put(ctx(2, 1.0, per_round=3), "apfl")
+    check_state_stays_put(ctx(2, 1.0), "ditto")   # full participation: the same shards every round
+    check_state_stays_put(ctx(1, 0.5), "ditto")   # one process holds every client
+    assert [ALGORITHMS.get(a).client_state for a in ("local", "fedrep", "ditto", "apfl", "fedavg", "ifca")] == \
+        [True] * 4 + [False] * 2

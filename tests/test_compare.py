@@ -80,34 +80,37 @@ def test_the_comparison_sets_dataset_algorithm_and_seed_itself(tmp_path):
 @pytest.mark.slow
 def test_small_comparison_writes_the_table_and_resumes(tmp_path, capsys):
     out = tmp_path / "cmp"
-    extra = ["--", "rounds=2", "num_clients=4", "logger=none"]
-    argv = ["--dataset", "digits", "--algorithms", "fedavg", "local", "--seeds", "0", "--out", str(out), *extra]
-    assert compare.main(argv) == 0
-    rows = {r["algorithm"]: r for r in csv.DictReader((out / "compare.csv").open())}
-    assert set(rows) == {"fedavg", "local", MAJORITY}
-    # d of the digits MLP (64 -> 128 -> 10): 64*128 + 128 + 128*10 + 10 = 9,610
-    assert rows["fedavg"]["params_up_per_client_round"] == "9610" and rows["local"]["params_up_per_client_round"] == "0"
-    for alg in ("fedavg", "local"):
-        res = json.loads((out / alg / "seed0" / "results.json").read_text())
-        assert float(rows[alg]["acc_mean"]) == pytest.approx(res["summary"]["acc_mean"], abs=1e-6)
-        assert res["config"]["rounds"] == 2 and res["config"]["num_clients"] == 4
-    hashes = {json.loads((out / a / "seed0" / "results.json").read_text())["partition_hash"] for a in ("fedavg", "local")}
-    assert len(hashes) == 1  # the same partition for both
-    assert "| fedavg |" in (out / "compare.md").read_text()
+    extra = ["--", "rounds=2", "num_clients=4", "logger=none", "trainer.threads=1"]
 
-    # interrupted comparison: one run lost its results -> only that one runs again
+    def argv(*algorithms, extra=extra):
+        return ["--dataset", "digits", "--algorithms", *algorithms, "--seeds", "0", "--out", str(out), *extra]
+
+    # a comparison stopped after its first run ...
+    assert compare.main(argv("fedavg")) == 0
     kept = out / "fedavg" / "seed0" / "results.json"
     stamp = kept.stat().st_mtime_ns
-    (out / "local" / "seed0" / "results.json").unlink()
     capsys.readouterr()
-    assert compare.main(argv) == 0
+    # ... resumes: the finished run is reused, only the missing one trains
+    assert compare.main(argv("fedavg", "local")) == 0
     printed = capsys.readouterr().out
     assert "reusing 1 finished run(s): fedavg/seed0" in printed and "[1/1] local seed 0" in printed
-    assert kept.stat().st_mtime_ns == stamp and (out / "local" / "seed0" / "results.json").exists()
+    assert kept.stat().st_mtime_ns == stamp
+    rows = {r["algorithm"]: r for r in csv.DictReader((out / "compare.csv").open())}
+    assert list(rows) == ["fedavg", "local", MAJORITY]
+    # d of the digits MLP (64 -> 128 -> 10): 64*128 + 128 + 128*10 + 10 = 9,610
+    assert rows["fedavg"]["params_up_per_client_round"] == "9610" and rows["local"]["params_up_per_client_round"] == "0"
+    results = {a: json.loads((out / a / "seed0" / "results.json").read_text()) for a in ("fedavg", "local")}
+    for alg, res in results.items():
+        assert float(rows[alg]["acc_mean"]) == pytest.approx(res["summary"]["acc_mean"], abs=1e-6)
+        assert res["config"]["rounds"] == 2 and res["config"]["num_clients"] == 4
+    assert results["fedavg"]["partition_hash"] == results["local"]["partition_hash"]  # the same partition
+    majority = [c["majority_acc"] for c in results["local"]["clients"]]
+    assert float(rows[MAJORITY]["acc_mean"]) == pytest.approx(sum(majority) / len(majority), abs=1e-6)
+    assert "| fedavg |" in (out / "compare.md").read_text()
 
     # results made with other overrides are not silently reused
     with pytest.raises(CompareError, match="produced with overrides"):
-        compare.main([*argv[:-3], "rounds=3", "num_clients=4", "logger=none"])
+        compare.main(argv("fedavg", extra=["--", "rounds=3", "num_clients=4", "logger=none", "trainer.threads=1"]))
     assert kept.stat().st_mtime_ns == stamp
 
 

@@ -31,6 +31,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -136,8 +137,18 @@ def _tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
+_ECHO_LOCK = threading.Lock()
+
+
+def _echo(line: str) -> None:
+    """One whole line to stdout, flushed (progress from several threads, into a log file)."""
+    with _ECHO_LOCK:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
 def run_all(runs: Sequence[Run], jobs: int = 1, python: str = sys.executable,
-            echo=print) -> dict[Run, str]:
+            echo=_echo) -> dict[Run, str]:
     """Run every run without results (``jobs`` at a time); returns run -> status
     (``reused`` | ``done`` | ``failed``). Stale results raise before anything starts."""
     status: dict[Run, str] = {}

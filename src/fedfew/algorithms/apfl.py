@@ -50,6 +50,8 @@ def mix_(target: nn.Module, personal: nn.Module, shared: nn.Module, alpha: float
 class APFL(Averaging):
     """Global model by FedAvg; personal v_i and alpha_i on the host (``personal``, ``alpha``)."""
 
+    client_state = True
+
     row_shapes = {"loss": lambda K: (1,), "alpha": lambda K: (1,)}
 
     def __init__(self, cfg, ctx) -> None:

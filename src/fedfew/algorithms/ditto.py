@@ -31,6 +31,8 @@ from fedfew.module import flat_parameters
 class Ditto(Averaging):
     """FedAvg global model + personal models regularised towards it (host state ``personal``)."""
 
+    client_state = True
+
     row_shapes = {"loss": lambda K: (1,), "personal_loss": lambda K: (1,)}
 
     def __init__(self, cfg, ctx) -> None:
@@ -44,7 +46,8 @@ class Ditto(Averaging):
     def begin_round(self, rnd: int, participants: list[int]) -> None:
         super().begin_round(rnd, participants)
         # the broadcast w^t (the server model is not modified before end_round)
-        self._penalty = proximal_term([p.detach() for p in self.ctx.module.models[0].parameters()], self.lam)
+        reference = [p.detach() for p in self.ctx.module.models[0].parameters()]
+        self._penalty = proximal_term(reference, self.lam) if self.lam > 0 else None
 
     def client_update(self, client: ClientSplit, rnd: int) -> dict[str, torch.Tensor]:
         # global model: a FedAvg client update from w^t

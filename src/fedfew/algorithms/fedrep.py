@@ -66,6 +66,8 @@ def _check_body_head(model: nn.Module) -> None:
 class FedRep(Averaging):
     """Shared body averaged by the server, personal heads kept on the host (``head``)."""
 
+    client_state = True
+
     def __init__(self, cfg, ctx) -> None:
         super().__init__(cfg, ctx)
         _check_body_head(ctx.module.working)

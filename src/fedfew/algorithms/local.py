@@ -27,6 +27,8 @@ from fedfew.module import flat_parameters
 class Local(Averaging):
     """Per-client models trained in isolation (host state ``model``)."""
 
+    client_state = True
+
     @classmethod
     def communication(cls, cfg: DictConfig, model: nn.Module) -> tuple[int, int]:
         return 0, 0

@@ -346,20 +346,23 @@ def test_apfl_round_matches_the_paper_updates(tmp_path, cpu_fabric):
     assert any(abs(float(sim.ctx.host_state[i]["alpha"]) - alpha0) > 1e-6 for i in range(4))  # alpha moved
 
 
-def test_personal_state_runs_refuse_clients_changing_process():
+def test_clients_never_change_process_under_partial_participation():
+    """Personal state lives on the process that owns the client: with partial participation
+    each rank trains exactly its own clients among each round's participants."""
     from types import SimpleNamespace
 
-    from fedfew.algorithms._averaging import check_state_stays_put
+    from fedfew.simulation import Simulation, select_participants
 
-    def ctx(world, participation, per_round=None):
-        cfg = OmegaConf.create({"participation": participation, "clients_per_round": per_round})
-        return SimpleNamespace(cfg=cfg, num_train=torch.ones(8), fabric=SimpleNamespace(world_size=world))
-
-    with pytest.raises(ValueError, match="4 of 8 clients per round"):
-        check_state_stays_put(ctx(2, 0.5), "ditto")
-    with pytest.raises(ValueError, match="3 of 8"):
-        check_state_stays_put(ctx(2, 1.0, per_round=3), "apfl")
-    check_state_stays_put(ctx(2, 1.0), "ditto")   # full participation: the same shards every round
-    check_state_stays_put(ctx(1, 0.5), "ditto")   # one process holds every client
+    sizes = torch.tensor([5, 9, 2, 7, 7, 1, 3, 8])
+    ranks = [SimpleNamespace(num_clients=8, num_train=sizes, _owned=None,
+                             fabric=SimpleNamespace(world_size=2, global_rank=r)) for r in range(2)]
+    owned = [set(Simulation.my_clients(rank, list(range(8)))) for rank in ranks]
+    assert owned[0] | owned[1] == set(range(8)) and not owned[0] & owned[1]
+    cfg = OmegaConf.create({"participation": 0.5, "clients_per_round": None, "seed": 0})
+    for rnd in range(1, 6):
+        participants = select_participants(cfg, rnd, 8)
+        mine = [Simulation.my_clients(rank, participants) for rank in ranks]
+        assert sorted(mine[0] + mine[1]) == participants
+        assert set(mine[0]) <= owned[0] and set(mine[1]) <= owned[1]
     assert [ALGORITHMS.get(a).client_state for a in ("local", "fedrep", "ditto", "apfl", "fedavg", "ifca")] == \
         [True] * 4 + [False] * 2

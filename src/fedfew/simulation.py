@@ -116,14 +116,20 @@ class Simulation:
         self.wall_time_s = 0.0
         self.logger_state: dict[str, Any] = {}  # e.g. the W&B run id, kept across resumes
         self.stop_signal = StopSignal()
+        self._owned: set[int] | None = None
 
     @property
     def num_clients(self) -> int:
         return self.host_data.num_clients
 
     def my_clients(self, participants: list[int]) -> list[int]:
-        """The participants this rank trains."""
-        return shard_clients(participants, self.num_train.numpy(), self.fabric.world_size, self.fabric.global_rank)
+        """The participants this rank trains: each client belongs to one rank for the whole run
+        (balanced over all M clients), so per-client host state never changes process."""
+        if self._owned is None:
+            owned = shard_clients(list(range(self.num_clients)), self.num_train.numpy(),
+                                  self.fabric.world_size, self.fabric.global_rank)
+            self._owned = set(owned)
+        return sorted(c for c in participants if c in self._owned)
 
     def run_round(self, rnd: int) -> dict[str, Any]:
         """Train one round; returns the algorithm's logs plus timing and participants."""

@@ -81,26 +81,6 @@ def proximal_term(reference: list[torch.Tensor], coeff: float) -> Callable[[nn.M
     return penalty
 
 
-def check_state_stays_put(ctx, name: str) -> None:
-    """Refuse runs where a client's host state could be on another process than the one
-    training it: per-client state lives on the process that trained the client, and the
-    round loop shards each round's *participants* over processes, so with partial
-    participation and several processes a client can move between processes.
-
-    Raises:
-        ValueError: more than one process and not every client takes part in every round.
-    """
-    cfg, M = ctx.cfg, int(ctx.num_train.numel())
-    per_round = cfg.get("clients_per_round", None)
-    count = int(per_round) if per_round else max(1, int(round(float(cfg.participation) * M)))
-    if ctx.fabric.world_size > 1 and count < M:
-        raise ValueError(
-            f"algorithm={name} keeps per-client state (personal models/heads) on the process that trains the "
-            f"client; with {ctx.fabric.world_size} processes and {count} of {M} clients per round a client can "
-            "change process and lose it. Use trainer.devices=1 or full participation (participation=1.0)."
-        )
-
-
 def loss_row(value: float | torch.Tensor) -> torch.Tensor:
     """A client's "loss" row as float64 (host)."""
     return torch.as_tensor(value, dtype=torch.float64).reshape(-1).cpu()
@@ -116,14 +96,9 @@ class Averaging(Algorithm):
 
     row_shapes = {"loss": lambda K: (K,)}
 
-    #: True for methods with per-client host state (personal models, heads): checked against
-    #: runs where a client could change process (:func:`check_state_stays_put`)
+    #: True for methods with per-client host state (personal models, heads); that state stays
+    #: on the process that owns the client (the round loop never moves a client)
     client_state: bool = False
-
-    def __init__(self, cfg, ctx) -> None:
-        super().__init__(cfg, ctx)
-        if self.client_state:
-            check_state_stays_put(ctx, str(cfg.get("name", type(self).__name__)))
 
     def shared(self, model: nn.Module) -> nn.Module:
         """The part of a model that the server averages (default: all of it)."""

@@ -63,6 +63,15 @@ compare: $(STAMP)
 		$(if $(strip $(ALGORITHMS)),--algorithms $(ALGORITHMS)) --seeds $(SEEDS) --out $(OUT) \
 		-- $(if $(COMPARE_DATA_DIR),data_dir=$(abspath $(COMPARE_DATA_DIR))) $(ARGS)
 
+# bench: throughput (engine=loop vs vmap), overhead, FLOP/s, scaling in M and K, memory, the
+# reference preset and devices=1 vs 2 -> $(BENCH_OUT)/bench.{json,md}. ~10 min on 2 CPU cores.
+#   make bench [BENCH_ARGS="--full"]   (--full: the paper's sizes, the default on a GPU)
+BENCH_OUT ?= outputs/bench
+BENCH_ARGS ?=
+
+bench: $(STAMP)
+	$(BIN)/python -m fedfew.bench --out $(BENCH_OUT) $(if $(TEST_DATA_DIR),--data-dir $(abspath $(TEST_DATA_DIR))) $(BENCH_ARGS)
+
 slurm-up:
 	bash scripts/slurm/install.sh && bash scripts/slurm/start.sh
 

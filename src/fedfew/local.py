@@ -1,6 +1,7 @@
 """Local training and evaluation of one model on one client's samples."""
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -20,6 +21,7 @@ def train_local(
     seed: int,
     penalty: Callable[[nn.Module], torch.Tensor] | None = None,
     autocast=None,
+    forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> float:
     """Train ``module.working`` in place with SGD on the samples ``index``.
 
@@ -38,6 +40,8 @@ def train_local(
         penalty: optional extra term added to the loss (e.g. a proximal term); it is not
             part of the returned loss.
         autocast: optional context-manager factory (Fabric's ``autocast``) for mixed precision.
+        forward: optional replacement of ``module.working``'s forward with the same parameters
+            (e.g. its ``torch.compile``-d version); the loss is then its mean cross-entropy.
     Returns:
         the running loss: sample-weighted mean of the minibatch cross-entropies of the last
         epoch (the reference's ``running`` loss source), as a Python float.
@@ -53,11 +57,8 @@ def train_local(
         running = torch.zeros((), device=index.device)
         for start in range(0, n, batch_size):
             batch = data.batch(order[start : start + batch_size])
-            if autocast is None:
-                loss = module.training_step(batch)
-            else:
-                with autocast():
-                    loss = module.training_step(batch)
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                loss = module.training_step(batch) if forward is None else F.cross_entropy(forward(batch[0]), batch[1])
             total = loss if penalty is None else loss + penalty(model)
             optimizer.zero_grad(set_to_none=True)
             total.backward()

@@ -18,6 +18,10 @@ epoch, the reference's | pre: eval-mode loss of the broadcast model on the train
 text), ``server_lr`` (eta_s = 1, as the reference), ``normalize`` (false: no renormalisation, the
 reference's | true: divide model k's step by sum_i alpha_i w_ik, so each model moves by the
 weighted mean of its deltas, FedAvg-sized steps instead of ~1/K of one).
+
+Local training is delegated to an engine (top-level ``engine``: ``loop``, the default, trains
+the K models one after another; ``vmap`` trains them -- and on a GPU several clients' -- as
+one stacked set with torch.func; see :mod:`fedfew.engines`).
 """
 from __future__ import annotations
 
@@ -30,7 +34,9 @@ from fedfew.aggregation import LogWeightedSum
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms.base import Algorithm, Context
 from fedfew.data.base import ClientSplit
-from fedfew.local import evaluate_model, train_local
+from fedfew.engines import ENGINES
+from fedfew.engines.base import ClientJob
+from fedfew.local import evaluate_model
 from fedfew.module import assign_flat_, flat_parameters
 from fedfew.scalarization import SAMPLE_WEIGHTINGS, client_log_weights, stch_set
 from fedfew.seeding import derive_seed
@@ -67,6 +73,7 @@ class FedFew(Algorithm):
                 f"algorithm.sample_weighting={cfg.sample_weighting!r}; allowed: {', '.join(SAMPLE_WEIGHTINGS)}"
             )
         self.mu = float(cfg.mu)
+        self.engine = ENGINES.get(ctx.cfg.get("engine", "loop") or "loop").from_context(ctx)
         self._accumulator: LogWeightedSum | None = None
         self._participant_total = 1.0
 
@@ -75,36 +82,60 @@ class FedFew(Algorithm):
         return int(cfg.K)
 
     def begin_round(self, rnd: int, participants: list[int]) -> None:
-        module = self.ctx.module
+        ctx, module = self.ctx, self.ctx.module
         dim = sum(p.numel() for p in module.working.parameters())
-        self._accumulator = LogWeightedSum(module.K, dim, device=self.ctx.fabric.device)
-        self._participant_total = float(self.ctx.num_train[participants].sum())
-        # flat server parameters, computed once per round rather than once per client
-        self._server_flat = [flat_parameters(m) for m in module.models]
+        self._accumulator = LogWeightedSum(module.K, dim, device=ctx.fabric.device)
+        self._participant_total = float(ctx.num_train[participants].sum())
+        self._pending: dict[int, torch.Tensor] = {}
+        self._trained: set[int] = set()
+        # which clients the engine trains together (loop: one at a time). A chunk may only hold
+        # clients this process is sure to be asked for: every participant on one process; with
+        # several, the round loop decides which are ours, so chunks need its list of them (a
+        # ``my_clients`` callable on the context) and are single clients without it.
+        mine_of = getattr(ctx, "my_clients", None)
+        if mine_of is not None:
+            mine = list(mine_of(participants))
+        elif ctx.fabric.world_size == 1:
+            mine = list(participants)
+        else:
+            mine = []
+        self._chunks = {c: chunk for chunk in self.engine.plan({c: int(ctx.num_train[c]) for c in mine}) for c in chunk}
 
     def client_update(self, client: ClientSplit, rnd: int) -> dict[str, torch.Tensor]:
+        """Client ``client``'s losses (K,); its deltas go straight into the streaming sum.
+
+        The engine (``engine=loop|vmap``) trains the K models from the server weights; when it
+        trains several clients at once (a chunk, see :meth:`fedfew.engines.base.Engine.plan`),
+        the first call of a chunk trains all of them and the others' losses wait here.
+        """
+        if client.id not in self._pending:
+            chunk = [c for c in self._chunks.get(client.id, [client.id]) if c not in self._trained]
+            if client.id not in chunk:
+                chunk = [client.id]
+            self._trained.update(chunk)
+            self._train_chunk(chunk, rnd)
+        return {"loss": self._pending.pop(client.id)}
+
+    def _train_chunk(self, client_ids: list[int], rnd: int) -> None:
+        """Train ``client_ids`` with the engine, fold each finite result into the accumulator
+        and keep its losses (NaN rows for excluded clients) in ``self._pending``."""
         ctx, module, run = self.ctx, self.ctx.module, self.ctx.cfg
-        index = ctx.train_index[client.id]
-        losses = torch.zeros(module.K, dtype=torch.float64)
-        deltas = []
-        for k in range(module.K):
-            module.load_working(k)
-            if self.cfg.loss_source == "pre":
-                losses[k] = evaluate_model(module.working, ctx.data, index)[0]
-            running = train_local(
-                module, ctx.data, index, run.local_epochs, run.dataset.batch_size,
-                seed=derive_seed(run.seed, "local", rnd, client.id, k), autocast=ctx.autocast,
-            )
-            if self.cfg.loss_source == "running":
-                losses[k] = running
-            deltas.append(flat_parameters(module.working) - self._server_flat[k])
-        if not (bool(torch.isfinite(losses).all()) and all(bool(torch.isfinite(d).all()) for d in deltas)):
-            exclude_nonfinite_client(client.id, rnd, losses, run.get("fail_on_nonfinite", False))
-            return {"loss": torch.full_like(losses, float("nan"))}
-        log_w = client_log_weights(losses * self._loss_scale(client.id), self.mu)
-        for k in range(module.K):
-            self._accumulator.add(k, float(log_w[k]), deltas[k])
-        return {"loss": losses}
+        jobs = [ClientJob(c, ctx.train_index[c], [derive_seed(run.seed, "local", rnd, c, k) for k in range(module.K)])
+                for c in client_ids]
+        pre = {}
+        if self.cfg.loss_source == "pre":  # eval-mode loss of each broadcast model, before training
+            pre = {c: torch.tensor([evaluate_model(m, ctx.data, ctx.train_index[c])[0] for m in module.models],
+                                   dtype=torch.float64) for c in client_ids}
+        for result in self.engine.train(jobs):
+            losses = pre.get(result.client, result.losses)
+            if not (bool(torch.isfinite(losses).all()) and bool(torch.isfinite(result.deltas).all())):
+                exclude_nonfinite_client(result.client, rnd, losses, run.get("fail_on_nonfinite", False))
+                self._pending[result.client] = torch.full_like(losses, float("nan"))
+                continue
+            log_w = client_log_weights(losses * self._loss_scale(result.client), self.mu)
+            for k in range(module.K):
+                self._accumulator.add(k, float(log_w[k]), result.deltas[k])
+            self._pending[result.client] = losses
 
     def _loss_scale(self, client_id: int) -> float:
         """p_i = n_i / sum_j n_j over this round's participants (``samples``), else 1."""
@@ -122,7 +153,7 @@ class FedFew(Algorithm):
         logs: dict[str, Any] = {"loss": losses, "excluded": [participants[j] for j in torch.nonzero(~valid).flatten().tolist()]}
         if not bool(valid.any()):
             warnings.warn(f"round {rnd}: every participating client was excluded; the models keep their parameters")
-            self._accumulator, self._server_flat = None, []
+            self._accumulator = None
             return {**logs, "g": float("nan"), "alpha": alpha, "w": w, "assignment": torch.zeros(len(participants), dtype=torch.long),
                     "effective_step": torch.zeros(K, dtype=torch.float64)}
         # the same scaled losses L'_ik = p_i L_ik as the clients used for their log weights
@@ -138,11 +169,12 @@ class FedFew(Algorithm):
             step = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
         eta = float(self.cfg.server_lr)
         for k, model in enumerate(self.ctx.module.models):
-            new = self._server_flat[k] + (eta * float(step[k])) * update[k]
+            # the server parameters do not change during a round: no (K, d) copy is kept
+            new = flat_parameters(model) + (eta * float(step[k])) * update[k]
             if not bool(torch.isfinite(new).all()):  # never let NaN/inf reach a server model
                 warnings.warn(f"round {rnd}: the update of model {k} is not finite; model {k} keeps its parameters")
                 continue
             assign_flat_(model, new)
-        self._accumulator, self._server_flat = None, []
+        self._accumulator = None
         return {**logs, "g": float(weights.g), "alpha": alpha, "w": w,
                 "assignment": w.argmax(dim=1), "effective_step": weight.sum(dim=0)}

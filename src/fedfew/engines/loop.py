@@ -1,0 +1,70 @@
+"""``engine=loop``: the K models of a client trained one after another (the default).
+
+For each model k: copy server model k into the one working copy (in place), run
+:func:`fedfew.local.train_local` with seed ``derive_seed(seed, "local", round, client, k)``
+(shuffling and dropout), and write theta_ik - theta_k into a reused (K, d) buffer (slice by
+slice against server model k: no flat copy of the server models is kept).
+"""
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+
+from fedfew.engines import ENGINES
+from fedfew.engines.base import ClientJob, ClientResult, Engine
+from fedfew.local import train_local
+
+
+def write_flat_(out: torch.Tensor, parameters) -> torch.Tensor:
+    """Copy ``parameters`` (an iterable of tensors) into the (d,) vector ``out``, in order."""
+    offset = 0
+    with torch.no_grad():
+        for p in parameters:
+            n = p.numel()
+            out[offset : offset + n].copy_(p.detach().reshape(-1))
+            offset += n
+    return out
+
+
+def subtract_flat_(out: torch.Tensor, parameters) -> torch.Tensor:
+    """``out -= cat(parameters)`` slice by slice (no flat copy of ``parameters``)."""
+    offset = 0
+    with torch.no_grad():
+        for p in parameters:
+            n = p.numel()
+            out[offset : offset + n].sub_(p.detach().reshape(-1))
+            offset += n
+    return out
+
+
+@ENGINES.register("loop")
+class LoopEngine(Engine):
+    """One model at a time through ``module.working`` (see module docstring)."""
+
+    name = "loop"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._forward = None
+        if self.compile is not None:
+            self._forward = torch.compile(self.module.working, backend=self.compile)
+        self._deltas: torch.Tensor | None = None
+
+    def train(self, jobs: Sequence[ClientJob]) -> Iterator[ClientResult]:
+        module = self.module
+        if self._deltas is None:
+            first = next(module.working.parameters())
+            dim = sum(p.numel() for p in module.working.parameters())
+            self._deltas = torch.empty((self.K, dim), dtype=first.dtype, device=first.device)
+        for job in jobs:
+            losses = torch.zeros(self.K, dtype=torch.float64)
+            for k in range(self.K):
+                module.load_working(k)
+                losses[k] = train_local(
+                    module, self.data, job.index, self.epochs, self.batch_size, seed=job.seeds[k],
+                    autocast=self.autocast, forward=self._forward,
+                )
+                subtract_flat_(write_flat_(self._deltas[k], module.working.parameters()), module.models[k].parameters())
+            self._client_done()
+            yield ClientResult(job.client, losses, self._deltas)

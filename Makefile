@@ -52,16 +52,20 @@ slurm: $(STAMP)
 
 # compare: every algorithm on the same partitions and budget -> $(OUT)/compare.{csv,md};
 # finished runs are reused (an interrupted comparison resumes). ARGS go to every run.
-#   make compare DATASET=agnews ALGORITHMS="fedfew fedavg ifca" SEEDS="0 1 2" ARGS="rounds=10"
+# ALGORITHMS defaults to every registered one: fedfew and the baselines fedavg fedprox local ifca
+# fedrep ditto apfl fedamp fedmtl cfl fedsoft fedmgda (README, "Baselines").
+# JOBS=N runs N at a time, each with one torch thread (N processes on N cores, no oversubscription).
+#   make compare DATASET=agnews ALGORITHMS="fedfew fedavg ifca" SEEDS="0 1 2" ARGS="rounds=10" JOBS=2
 ALGORITHMS ?=
 SEEDS ?= 0
+JOBS ?= 1
 OUT ?= outputs/compare/$(DATASET)
 COMPARE_DATA_DIR := $(or $(DATA_DIR),$(FEDFEW_DATA_DIR),$(wildcard $(SHARED_DATA)))
 
 compare: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} WANDB_SILENT=true $(BIN)/python -m fedfew.compare --dataset $(DATASET) \
-		$(if $(strip $(ALGORITHMS)),--algorithms $(ALGORITHMS)) --seeds $(SEEDS) --out $(OUT) \
-		-- $(if $(COMPARE_DATA_DIR),data_dir=$(abspath $(COMPARE_DATA_DIR))) $(ARGS)
+		$(if $(strip $(ALGORITHMS)),--algorithms $(ALGORITHMS)) --seeds $(SEEDS) --out $(OUT) --jobs $(JOBS) \
+		-- $(if $(COMPARE_DATA_DIR),data_dir=$(abspath $(COMPARE_DATA_DIR))) $(if $(filter-out 1,$(JOBS)),trainer.threads=1) $(ARGS)
 
 # bench: throughput (engine=loop vs vmap), overhead, FLOP/s, scaling in M and K, memory, the
 # reference preset and devices=1 vs 2 -> $(BENCH_OUT)/bench.{json,md}. ~10 min on 2 CPU cores.

@@ -27,11 +27,14 @@ def test_default_config_is_valid():
         ("partition.alpha=0.0", "partition.alpha=0.0"),
         ("local_epochs=1.5", "local_epochs=1.5: allowed integer >= 1"),
         ("algorithm.K=25", "algorithm.K=25 > num_clients=20"),
+        ("optim.name=rmsprop", "optim.name='rmsprop': allowed sgd | adam | adamw"),
+        ("engine=jit", "engine='jit': allowed loop | vmap"),
+        ("engine=vmap optim.name=adam", "engine=vmap with optim.name='adam'"),
     ],
 )
 def test_bad_values_are_named(override, needle):
     with pytest.raises(ConfigError) as err:
-        validate_config(compose_config(override))
+        validate_config(compose_config(*override.split()))
     assert needle in str(err.value)
 
 

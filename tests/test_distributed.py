@@ -49,3 +49,19 @@ def test_fewer_clients_than_processes_does_not_hang(tmp_path):
     four = run(tmp_path, "four", *common, "trainer.devices=4", "trainer.strategy=ddp")
     assert four[0]["world_size"] == 4
     assert_same_run(one, four)
+
+
+@pytest.mark.slow
+def test_checkpoint_holds_every_ranks_client_state(tmp_path):
+    """Ditto keeps a personal model per client on the host of the rank that owns the client;
+    the devices=2 checkpoint (written by rank 0) holds all M clients' personal models, equal
+    to the 1-process checkpoint's."""
+    common = ("rounds=2", "num_clients=6", "algorithm=ditto", "checkpoint_every=2")
+    run(tmp_path, "one", *common)
+    run(tmp_path, "two", *common, "trainer.devices=2", "trainer.strategy=ddp")
+    one = torch.load(tmp_path / "one" / "checkpoints" / "last.ckpt", weights_only=False)
+    two = torch.load(tmp_path / "two" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert sorted(two["host_state"]) == sorted(one["host_state"]) == list(range(6))
+    for cid in range(6):
+        torch.testing.assert_close(two["host_state"][cid]["personal"], one["host_state"][cid]["personal"],
+                                   rtol=1e-5, atol=1e-5)

@@ -43,6 +43,7 @@ RULES: list[Rule] = [
     Rule("participation", "number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1),
     Rule("checkpoint_every", "integer >= 0 (0: only on SIGTERM/SIGUSR1)", lambda v: _is_int(v) and v >= 0),
     Rule("clients_per_round", "null or integer >= 1", lambda v: v is None or (_is_int(v) and v >= 1)),
+    Rule("optim.name", "sgd | adam | adamw", lambda v: v in ("sgd", "adam", "adamw")),
     Rule("optim.lr", "number > 0", lambda v: _is_number(v) and v > 0),
     Rule("optim.momentum", "number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1),
     Rule("optim.weight_decay", "number >= 0", lambda v: _is_number(v) and v >= 0),
@@ -50,6 +51,22 @@ RULES: list[Rule] = [
     Rule("algorithm.K", "integer >= 1", lambda v: _is_int(v) and v >= 1, lambda c: "K" in c.algorithm),
     Rule("algorithm.mu", "number > 0", lambda v: _is_number(v) and v > 0, lambda c: "mu" in c.algorithm),
     Rule("algorithm.server_lr", "number > 0", lambda v: _is_number(v) and v > 0, lambda c: "server_lr" in c.algorithm),
+    # baselines' own keys (each is checked where the algorithm has it)
+    Rule("algorithm.lam", "number >= 0 (ditto, fedamp, fedmtl, fedsoft)", lambda v: _is_number(v) and v >= 0,
+         lambda c: "lam" in c.algorithm),
+    Rule("algorithm.alphaK", "number in (0, 1] (fedamp)", lambda v: _is_number(v) and 0 < v <= 1,
+         lambda c: "alphaK" in c.algorithm),
+    Rule("algorithm.sigma", "number > 0 (fedsoft: also <= 1/K)", lambda v: _is_number(v) and v > 0,
+         lambda c: "sigma" in c.algorithm),
+    Rule("algorithm.epsilon", "number >= 0 (fedmgda)", lambda v: _is_number(v) and v >= 0,
+         lambda c: "epsilon" in c.algorithm),
+    Rule("algorithm.max_clusters", "integer >= 1 (cfl)", lambda v: _is_int(v) and v >= 1,
+         lambda c: "max_clusters" in c.algorithm),
+    Rule("algorithm.eps_1", "number >= 0 (cfl)", lambda v: _is_number(v) and v >= 0, lambda c: "eps_1" in c.algorithm),
+    Rule("algorithm.eps_2", "number >= 0 (cfl)", lambda v: _is_number(v) and v >= 0, lambda c: "eps_2" in c.algorithm),
+    Rule("algorithm.warmup", "integer >= 0 (cfl)", lambda v: _is_int(v) and v >= 0, lambda c: "warmup" in c.algorithm),
+    Rule("algorithm.estimate_every", "integer >= 1 (fedsoft)", lambda v: _is_int(v) and v >= 1,
+         lambda c: "estimate_every" in c.algorithm),
     Rule("partition.alpha", "number > 0 (Dirichlet concentration)", lambda v: _is_number(v) and v > 0,
          lambda c: c.partition.name == "dirichlet"),
     Rule("partition.min_size", "integer >= 2 (a client needs 1 train + 1 test sample)", lambda v: _is_int(v) and v >= 2,
@@ -60,6 +77,9 @@ RULES: list[Rule] = [
          lambda v: _is_int(v) and v >= 1, lambda c: c.partition.name == "pathological"),
     Rule("partition.test_fraction", "number in (0, 1)", lambda v: _is_number(v) and 0 < v < 1),
     Rule("partition.val_fraction", "number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1),
+    Rule("engine", "loop | vmap (vmap: FedFew only, SGD only)", lambda v: v in ("loop", "vmap")),
+    Rule("compile", "false | true | a torch.compile backend name (e.g. aot_eager)",
+         lambda v: isinstance(v, bool) or (isinstance(v, str) and v != "")),
     Rule("trainer.devices", "integer >= 1 or 'auto'", lambda v: v == "auto" or (_is_int(v) and v >= 1)),
     Rule("trainer.num_nodes", "integer >= 1", lambda v: _is_int(v) and v >= 1),
 ]
@@ -103,6 +123,16 @@ def validate_config(cfg: DictConfig) -> None:
             f"  algorithm.K={K} > num_clients={M}: more shared models than clients leaves models that no "
             "client can select; use K <= num_clients"
         )
+    optimizer, engine = _lookup(cfg, "optim.name"), _lookup(cfg, "engine")
+    if engine == "vmap" and optimizer not in (_MISSING, "sgd"):
+        problems.append(f"  engine=vmap with optim.name={optimizer!r}: the vmap engine implements SGD only; "
+                        "use engine=loop or optim.name=sgd")
+    sigma = _lookup(cfg, "algorithm.sigma")
+    if _is_int(K) and K >= 1 and _is_number(sigma) and sigma > 1.0 / K:
+        problems.append(
+            f"  algorithm.sigma={sigma!r} > 1/algorithm.K = {1.0 / K:g}: the importance floor must be <= 1/K "
+            "(K floored weights must fit in a row summing to 1)"
+        )
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(problems))
 
@@ -112,4 +142,6 @@ def rules_markdown() -> str:
     lines = ["| key | allowed |", "|---|---|"]
     lines += [f"| `{rule.key}` | {rule.allowed} |" for rule in RULES]
     lines.append("| `algorithm.K` vs `num_clients` | K <= M (a model no client can select is wasted) |")
+    lines.append("| `algorithm.sigma` vs `algorithm.K` | sigma <= 1/K where both exist (fedsoft's importance floor) |")
+    lines.append("| `engine` vs `optim.name` | engine=vmap needs optim.name=sgd |")
     return "\n".join(lines)

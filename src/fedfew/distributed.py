@@ -37,3 +37,19 @@ def gather_rows(rows: dict[int, torch.Tensor], num_rows: int, like: torch.Tensor
     for i, row in rows.items():
         out[i] = row
     return all_reduce_(out, "sum")
+
+
+def merge_dicts(local: dict) -> dict:
+    """The union of every rank's ``local`` dict (keys disjoint across ranks), on every rank.
+
+    Used for per-client host state, which each rank keeps for its own clients only: a
+    checkpoint written by rank 0 must hold every client's. Identity on one process.
+    """
+    if world_size() == 1:
+        return local
+    parts: list = [None] * world_size()
+    dist.all_gather_object(parts, local)
+    merged: dict = {}
+    for part in parts:
+        merged.update(part)
+    return merged

@@ -17,6 +17,16 @@ from fedfew.seeding import derive_seed
 
 INITS = ("independent", "identical")
 
+#: local optimizers by config value (``optim.name``); each gets ``lr`` and ``weight_decay``,
+#: SGD also ``momentum``. A fresh optimizer is made for every local training, so Adam's
+#: moments never carry over between rounds or clients.
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": lambda params, lr, momentum, weight_decay: torch.optim.SGD(
+        params, lr=lr, momentum=momentum, weight_decay=weight_decay),
+    "adam": lambda params, lr, momentum, weight_decay: torch.optim.Adam(params, lr=lr, weight_decay=weight_decay),
+    "adamw": lambda params, lr, momentum, weight_decay: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay),
+}
+
 
 def flat_parameters(module: nn.Module) -> torch.Tensor:
     """(d,) all parameters of ``module`` concatenated (a new tensor, detached)."""
@@ -55,10 +65,12 @@ class KModelSet(L.LightningModule):
             0, as the reference pgg3/FedFew does; only shuffling then breaks the symmetry).
         seed: base seed.
         lr: SGD learning rate (> 0), default 0.005 as in the reference.
-        momentum: SGD momentum (default 0, the reference's).
-        weight_decay: SGD weight decay (default 0).
+        momentum: SGD momentum (default 0, the reference's; ignored by Adam/AdamW).
+        weight_decay: weight decay (default 0).
+        optimizer: local optimizer, a key of :data:`OPTIMIZERS` (``"sgd"``, the reference's,
+            ``"adam"`` or ``"adamw"``).
     Raises:
-        ValueError: K < 1 or an unknown ``init``.
+        ValueError: K < 1, an unknown ``init`` or an unknown ``optimizer``.
     """
 
     def __init__(
@@ -70,10 +82,13 @@ class KModelSet(L.LightningModule):
         lr: float = 0.005,
         momentum: float = 0.0,
         weight_decay: float = 0.0,
+        optimizer: str = "sgd",
     ) -> None:
         super().__init__()
         if K < 1:
             raise ValueError(f"algorithm.K must be >= 1, got {K}")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optim.name={optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
         if init not in INITS:
             raise ValueError(f"algorithm.init={init!r}; allowed: {', '.join(INITS)}")
         models = []
@@ -86,6 +101,7 @@ class KModelSet(L.LightningModule):
             torch.manual_seed(derive_seed(seed, "init", "working"))
             self.working = build_model()
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        self.optimizer = optimizer
 
     @property
     def K(self) -> int:
@@ -101,10 +117,12 @@ class KModelSet(L.LightningModule):
         return F.cross_entropy(self.working(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        """SGD over the working copy's parameters (a fresh optimizer per local training)."""
-        return torch.optim.SGD(
-            self.working.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
-        )
+        """The local optimizer over the working copy's parameters (a fresh one per local training)."""
+        return self.make_optimizer(self.working.parameters())
+
+    def make_optimizer(self, params) -> torch.optim.Optimizer:
+        """A fresh ``optim.name`` optimizer (lr, momentum, weight decay from the config) over ``params``."""
+        return OPTIMIZERS[self.optimizer](params, self.lr, self.momentum, self.weight_decay)
 
     def load_working(self, source: nn.Module | int) -> None:
         """Copy server model ``source`` (an index) or any same-shaped module into ``working``."""

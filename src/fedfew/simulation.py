@@ -25,7 +25,7 @@ from fedfew.algorithms.base import Algorithm, Context
 from fedfew.checkpoint import StopSignal, checkpoint_path, rng_states, save_checkpoint, set_rng_states
 from fedfew.data.base import FederatedData
 from fedfew.data.federated import build_federated_data, to_device
-from fedfew.distributed import all_reduce_, gather_rows
+from fedfew.distributed import all_reduce_, gather_rows, merge_dicts
 from fedfew.evaluation import evaluate_clients
 from fedfew.io import atomic_torch_save
 from fedfew.models import MODELS, DataInfo
@@ -98,6 +98,7 @@ class Simulation:
             lr=float(cfg.optim.lr),
             momentum=float(cfg.optim.momentum),
             weight_decay=float(cfg.optim.weight_decay),
+            optimizer=str(cfg.optim.get("name", "sgd")),
         ).to(fabric.device)
         self.num_train = torch.tensor([len(c.train) for c in host_data.clients], dtype=torch.int64)
         self.ctx = Context(
@@ -160,13 +161,16 @@ class Simulation:
         return result
 
     # ---- checkpoints -------------------------------------------------------------------
-    def state_dict(self, rnd: int) -> dict[str, Any]:
-        """Everything later rounds depend on (see :mod:`fedfew.checkpoint`)."""
+    def state_dict(self, rnd: int, host_state: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Everything later rounds depend on (see :mod:`fedfew.checkpoint`).
+
+        ``host_state``: every client's host state (default: this rank's, all of it on one process).
+        """
         return {
             "round": rnd,
             "models": self.module.models.state_dict(),
             "algorithm": self.algorithm.state_dict(),
-            "host_state": self.ctx.host_state,
+            "host_state": self.ctx.host_state if host_state is None else host_state,
             "rng": rng_states(),
             "history": self.history,
             "evaluations": self.evaluations,
@@ -198,8 +202,10 @@ class Simulation:
         self.start_round = int(state["round"]) + 1
 
     def save_checkpoint(self, rnd: int) -> None:
+        """Rank 0 writes the checkpoint; every rank contributes its own clients' host state."""
+        host_state = merge_dicts(self.ctx.host_state)  # a collective: every rank calls it
         if self.fabric.global_rank == 0:
-            save_checkpoint(checkpoint_path(self.run_dir), self.state_dict(rnd))
+            save_checkpoint(checkpoint_path(self.run_dir), self.state_dict(rnd, host_state))
         self.fabric.barrier()
 
     def _stop_requested(self) -> bool:
@@ -254,7 +260,9 @@ class Simulation:
             "evaluations": self.evaluations,
             "partition_hash": self.host_data.partition_hash,
             "wall_time_s": wall,
+            # wall time (training, evaluations, logging) per round, and training alone per round
             "seconds_per_round": wall / max(1, len(self.history)),
+            "train_seconds_per_round": sum(float(h["round_time_s"]) for h in self.history) / max(1, len(self.history)),
             "world_size": fabric.world_size,
         }
         if cfg.get("save_models", False) and fabric.global_rank == 0:

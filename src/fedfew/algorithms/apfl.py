@@ -94,7 +94,7 @@ class APFL(Averaging):
         for m in (w, v, v_bar):
             m.train()
         opt_w = module.configure_optimizers()
-        opt_v = torch.optim.SGD(v.parameters(), lr=module.lr, momentum=module.momentum, weight_decay=module.weight_decay)
+        opt_v = module.make_optimizer(v.parameters())
         alpha = self.client_alpha(client.id)
         index, batch_size = ctx.train_index[client.id], int(run.dataset.batch_size)
         torch.manual_seed(derive_seed(run.seed, "local", rnd, client.id, 0))

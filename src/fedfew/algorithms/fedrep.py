@@ -88,8 +88,7 @@ class FedRep(Averaging):
         with torch.no_grad():
             parts = [working.body(ctx.data.batch(index[i : i + 1024])[0]) for i in range(0, index.numel(), 1024)]
         features, targets = torch.cat(parts), ctx.data.targets[index]
-        optimizer = torch.optim.SGD(working.head.parameters(), lr=module.lr, momentum=module.momentum,
-                                    weight_decay=module.weight_decay)
+        optimizer = module.make_optimizer(working.head.parameters())
         torch.manual_seed(seed)
         n = index.numel()
         running = torch.zeros((), device=index.device)

@@ -87,6 +87,9 @@ class VmapEngine(Engine):
         self.dim = sum(self._numels)
         #: BatchNorm: chunks only hold clients of equal size (no padding in batch statistics)
         self.exact_groups = has_batch_norm(template)
+        if self.module.optimizer != "sgd":
+            raise ValueError(f"engine=vmap implements SGD only, got optim.name={self.module.optimizer!r}; "
+                             "use engine=loop for Adam/AdamW")
         self.lr = float(self.module.lr)
         self.momentum = float(self.module.momentum)
         self.weight_decay = float(self.module.weight_decay)

@@ -11,12 +11,20 @@ from fedfew.models.base import BodyHead
 class TextCNNBody(nn.Module):
     """Embedding -> parallel Conv1d (one per kernel size) -> ReLU -> max over time -> dropout.
 
-    Input (B, L) int64 token ids (0 = padding); output (B, channels * len(kernels)).
+    Input (B, L) int64 token ids (0 = padding, right-padded); output (B, channels * len(kernels)).
     Sequences shorter than the largest kernel are right-padded with 0 inside forward.
+
+    ``mask_padding=True`` (default) takes the max over the windows that start inside the text
+    only (a text shorter than the kernel keeps its first window). Batches are padded to their
+    longest text, so without the mask a text's features (and its prediction) would depend on
+    which other texts share its batch: windows over padding still add the conv bias. The
+    reference pads every text to 200 and maxes over all windows (``mask_padding=False``).
     """
 
-    def __init__(self, vocab_size: int, embed_dim: int, kernels: list[int], channels: int, dropout: float):
+    def __init__(self, vocab_size: int, embed_dim: int, kernels: list[int], channels: int, dropout: float,
+                 mask_padding: bool = True):
         super().__init__()
+        self.mask_padding = mask_padding
         self.embedding = nn.Embedding(vocab_size, embed_dim, padding_idx=0)
         self.convs = nn.ModuleList(nn.Conv1d(embed_dim, channels, k) for k in kernels)
         self.dropout = nn.Dropout(dropout)
@@ -26,7 +34,16 @@ class TextCNNBody(nn.Module):
         if tokens.shape[1] < self.min_length:
             tokens = nn.functional.pad(tokens, (0, self.min_length - tokens.shape[1]))
         x = self.embedding(tokens).transpose(1, 2)  # (B, E, L)
-        feats = [torch.relu(conv(x)).amax(dim=2) for conv in self.convs]
+        lengths = (tokens != 0).sum(dim=1, keepdim=True)  # (B, 1)
+        feats = []
+        for conv in self.convs:
+            h = torch.relu(conv(x))  # (B, C, L - k + 1), >= 0
+            if self.mask_padding:
+                # window t covers tokens t..t+k-1; it is inside the text when t <= length - k
+                last = (lengths - conv.kernel_size[0]).clamp(min=0)  # (B, 1)
+                outside = torch.arange(h.shape[2], device=h.device) > last  # (B, L - k + 1)
+                h = h.masked_fill(outside.unsqueeze(1), 0.0)  # 0 never beats a ReLU output
+            feats.append(h.amax(dim=2))
         return self.dropout(torch.cat(feats, dim=1))
 
 
@@ -36,7 +53,7 @@ def build(cfg, info: DataInfo) -> BodyHead:
 
     Args:
         cfg: ``embed_dim`` (default 128; the reference uses 512), ``kernels``, ``channels``,
-            ``dropout`` (0.5).
+            ``dropout`` (0.5), ``mask_padding`` (True; see :class:`TextCNNBody`).
         info: needs ``vocab_size``.
     Raises:
         ValueError: no vocabulary size (not a text dataset).
@@ -45,5 +62,6 @@ def build(cfg, info: DataInfo) -> BodyHead:
         raise ValueError("model textcnn needs a text dataset (vocab_size); pick another model for this dataset")
     kernels = list(cfg.get("kernels", [3, 4, 5]))
     channels = int(cfg.get("channels", 100))
-    body = TextCNNBody(info.vocab_size, int(cfg.get("embed_dim", 128)), kernels, channels, float(cfg.get("dropout", 0.5)))
+    body = TextCNNBody(info.vocab_size, int(cfg.get("embed_dim", 128)), kernels, channels, float(cfg.get("dropout", 0.5)),
+                       bool(cfg.get("mask_padding", True)))
     return BodyHead(body, nn.Linear(channels * len(kernels), info.num_classes))

@@ -1,0 +1,60 @@
+"""Model-level rules: TextCNN's max over time ignores padding windows."""
+from __future__ import annotations
+
+import torch
+
+from fedfew.models.textcnn import TextCNNBody
+
+
+def body(mask: bool) -> TextCNNBody:
+    torch.manual_seed(0)
+    b = TextCNNBody(vocab_size=30, embed_dim=6, kernels=[3, 4, 5], channels=4, dropout=0.0, mask_padding=mask)
+    with torch.no_grad():  # biases > 0: a window over padding alone gives relu(bias) > 0
+        for conv in b.convs:
+            conv.bias.fill_(5.0)
+    return b.eval()
+
+
+def test_masked_features_equal_the_unpadded_text_and_do_not_depend_on_the_batch():
+    text = torch.tensor([[7, 3, 9, 12, 4, 8]])  # 6 tokens
+    padded = torch.nn.functional.pad(text, (0, 10))  # as in a batch whose longest text has 16
+    short = torch.tensor([[5, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]])  # 2 tokens < every kernel
+    masked = body(True)
+    with torch.no_grad():
+        alone = masked(text)
+        in_batch = masked(torch.cat([padded, short]))
+        # hand rule: the short text keeps only its first window (tokens 5, 6, pad, ...)
+        h = masked.embedding(short[:, :5]).transpose(1, 2)
+        first_windows = torch.cat([torch.relu(conv(h[:, :, : conv.kernel_size[0]]))[:, :, 0] for conv in masked.convs], 1)
+    torch.testing.assert_close(in_batch[0:1], alone, rtol=0, atol=1e-6)
+    torch.testing.assert_close(in_batch[1:2], first_windows, rtol=0, atol=1e-6)
+    # without the mask, padding windows change the features of the same text
+    unmasked = body(False)
+    with torch.no_grad():
+        assert not torch.allclose(unmasked(padded), unmasked(text))
+
+
+def test_optimizer_choice_reaches_local_training():
+    """optim.name=adam: a fresh Adam per local training; its first step moves every parameter
+    with a nonzero gradient by lr * sign(grad) (bias-corrected m / sqrt(v) = g / |g|), unlike SGD."""
+    import pytest
+    from torch import nn
+
+    from fedfew.module import KModelSet
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3), torch.tensor([0, 1] * 4)
+    for name, expected_type in [("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD)]:
+        module = KModelSet(lambda: nn.Linear(3, 2), K=1, lr=0.01, optimizer=name)
+        opt = module.configure_optimizers()
+        assert type(opt) is expected_type and opt.param_groups[0]["lr"] == 0.01
+        before = [p.detach().clone() for p in module.working.parameters()]
+        loss = module.training_step((x, y))
+        loss.backward()
+        grads = [p.grad.detach().clone() for p in module.working.parameters()]
+        opt.step()
+        for p, b, g in zip(module.working.parameters(), before, grads):
+            expected = -0.01 * (torch.sign(g) if name != "sgd" else g)
+            torch.testing.assert_close(p.detach() - b, expected, rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="optim.name='rmsprop'"):
+        KModelSet(lambda: nn.Linear(3, 2), K=1, optimizer="rmsprop")

@@ -30,7 +30,9 @@ def _sim(*overrides: str, rank: int = 0, loggers=()):
 
 def _run(sim, run_dir: Path) -> str:
     buf = io.StringIO()
-    PartitionReport(run_dir, console=Console(file=buf, width=120)).on_fit_start(sim)
+    report = PartitionReport(run_dir, console=Console(file=buf, width=120))
+    report.on_fit_start(sim)
+    report.on_fit_end(sim, results={})  # the heatmap is drawn beside round 1; fit end waits for it
     return buf.getvalue()
 
 

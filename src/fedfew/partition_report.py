@@ -175,13 +175,24 @@ class PartitionReport:
         self.max_rows = max_rows
         self.console = console
         self.report: dict[str, Any] | None = None
+        self._drawing = None
 
     def on_fit_start(self, sim) -> None:
         if sim.fabric.global_rank != 0:
             return
         self.report = build_report(sim)
         atomic_write_json(self.run_dir / "partition.json", self.report)
-        png = write_heatmap(self.report, self.run_dir / "partition.png")
+        png = self.run_dir / "partition.png"
+        if self._wandb_loggers(sim):
+            write_heatmap(self.report, png)  # W&B logs the picture right away
+        else:
+            # Importing matplotlib and drawing takes ~0.5 s: done beside round 1 instead of
+            # before it (matplotlib's object API with the Agg canvas is safe off the main
+            # thread); the write is atomic and on_fit_end waits for it.
+            import threading
+
+            self._drawing = threading.Thread(target=write_heatmap, args=(self.report, png), name="partition-heatmap")
+            self._drawing.start()
         from rich.console import Console
 
         console = self.console or Console(width=120)
@@ -190,8 +201,21 @@ class PartitionReport:
         console.print(f"partition summary: {self.run_dir / 'partition.json'}, heatmap: {png}")
         self._log_wandb(sim, png)
 
+    def on_fit_end(self, sim, results: dict[str, Any]) -> None:
+        self.wait()
+
+    def wait(self) -> None:
+        """Block until ``partition.png`` is written (no-op when it already is)."""
+        if self._drawing is not None:
+            self._drawing.join()
+            self._drawing = None
+
+    @staticmethod
+    def _wandb_loggers(sim) -> list:
+        return [lg for lg in (sim.fabric.loggers or []) if type(lg).__name__ == "WandbLogger"]
+
     def _log_wandb(self, sim, png: Path) -> None:
-        loggers = [lg for lg in (sim.fabric.loggers or []) if type(lg).__name__ == "WandbLogger"]
+        loggers = self._wandb_loggers(sim)
         if not loggers:
             return
         try:

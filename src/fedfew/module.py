@@ -45,6 +45,16 @@ def assign_flat_(module: nn.Module, flat: torch.Tensor) -> None:
         raise ValueError(f"flat vector has {flat.numel()} entries, module has {offset} parameters")
 
 
+def unflatten_like(flat: torch.Tensor, module: nn.Module) -> list[torch.Tensor]:
+    """Views of a (d,) vector shaped like ``module``'s parameters (in ``parameters()`` order),
+    detached and cast to each parameter's dtype: e.g. the reference of a proximal term."""
+    out, offset = [], 0
+    for p in module.parameters():
+        out.append(flat[offset : offset + p.numel()].view_as(p).detach().to(p.dtype))
+        offset += p.numel()
+    return out
+
+
 def copy_parameters_(dst: nn.Module, src: nn.Module) -> None:
     """Copy ``src``'s parameters and buffers into ``dst`` in place (same architecture)."""
     with torch.no_grad():

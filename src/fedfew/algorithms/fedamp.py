@@ -62,7 +62,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row, proximal_term
 from fedfew.algorithms._updates import check_number, finite_or_excluded, vector_row, vector_rows
 from fedfew.data.base import ClientSplit
-from fedfew.module import flat_parameters
+from fedfew.module import flat_parameters, unflatten_like
 
 
 def squared_distances(models: torch.Tensor) -> torch.Tensor:
@@ -128,11 +128,7 @@ class FedAMP(Averaging):
         working = self.ctx.module.working
         self.load_personal(client, "personal")
         cloud = self.cloud_model(client.id)
-        reference, offset = [], 0
-        for p in working.parameters():
-            reference.append(cloud[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-        penalty = proximal_term(reference, self.lam / self.alphaK) if self.lam > 0 else None
+        penalty = proximal_term(unflatten_like(cloud, working), self.lam / self.alphaK) if self.lam > 0 else None
         loss = self.local_train(client, rnd, None, penalty=penalty, stream=0)
         w = flat_parameters(working)
         valid = finite_or_excluded(self.ctx, client.id, w)

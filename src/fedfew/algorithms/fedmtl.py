@@ -45,7 +45,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, WeightedSum, loss_row, proximal_term
 from fedfew.algorithms._updates import check_number, finite_or_excluded
 from fedfew.data.base import ClientSplit
-from fedfew.module import assign_flat_, flat_parameters
+from fedfew.module import assign_flat_, flat_parameters, unflatten_like
 
 
 def centering_omega(M: int) -> torch.Tensor:
@@ -96,15 +96,11 @@ class FedMTL(Averaging):
         working = module.working
         module.load_working(0)  # buffers
         w_old = self.personal(client.id)
-        assign_flat_(working, w_old.to(flat_parameters(working).dtype))
+        assign_flat_(working, w_old)  # copy_ casts to the parameters' dtype
         penalty = None
         if self.lam > 0 and M > 1:
             others = (self._mean.to(w_old.device) * M - w_old) / (M - 1)  # m_{-i}
-            reference, offset = [], 0
-            for p in working.parameters():
-                reference.append(others[offset : offset + p.numel()].view_as(p).to(p.dtype))
-                offset += p.numel()
-            penalty = proximal_term(reference, self.lam * (1.0 - 1.0 / M))
+            penalty = proximal_term(unflatten_like(others, working), self.lam * (1.0 - 1.0 / M))
         loss = self.local_train(client, rnd, None, penalty=penalty, stream=0)
         w_new = flat_parameters(working)
         if finite_or_excluded(self.ctx, client.id, w_new):

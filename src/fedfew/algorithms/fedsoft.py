@@ -53,7 +53,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row, proximal_term
 from fedfew.algorithms._updates import check_number, finite_or_excluded
 from fedfew.data.base import ClientSplit, FederatedData
-from fedfew.module import assign_flat_, flat_parameters
+from fedfew.module import assign_flat_, flat_parameters, unflatten_like
 
 SCORES = ("personal", "centres")
 
@@ -107,14 +107,6 @@ def proximal_centre(u: torch.Tensor, centres: list[torch.Tensor]) -> torch.Tenso
     return out
 
 
-def _split_like(flat: torch.Tensor, model: nn.Module) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for p in model.parameters():
-        out.append(flat[offset : offset + p.numel()].view_as(p).detach())
-        offset += p.numel()
-    return out
-
-
 @ALGORITHMS.register("fedsoft")
 class FedSoft(Averaging):
     """K centres; personal models with a u-weighted proximal term; importance-weighted averaging."""
@@ -160,7 +152,7 @@ class FedSoft(Averaging):
         centre = proximal_centre(u, self._server)
         if not self.load_personal(client, "personal"):
             assign_flat_(working, centre)  # first participation: start at the proximal centre
-        penalty = proximal_term(_split_like(centre, working), self.lam) if self.lam > 0 else None
+        penalty = proximal_term(unflatten_like(centre, working), self.lam) if self.lam > 0 else None
         loss = self.local_train(client, rnd, None, penalty=penalty, stream="personal")
         w = flat_parameters(working)
         if finite_or_excluded(ctx, client.id, w):

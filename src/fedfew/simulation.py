@@ -109,6 +109,7 @@ class Simulation:
             train_index=[torch.as_tensor(c.train, device=fabric.device) for c in host_data.clients],
             num_train=self.num_train,
             autocast=fabric.autocast if cfg.trainer.precision not in ("32", "32-true", 32) else None,
+            my_clients=self.my_clients,
         )
         self.algorithm = alg_cls(cfg.algorithm, self.ctx)
         self.history: list[dict[str, Any]] = []

@@ -49,6 +49,8 @@ class Context:
         num_train: (M,) int64 train sizes n_i (host).
         autocast: Fabric's autocast context-manager factory.
         host_state: per-client persistent state kept on the host (client id -> dict).
+        my_clients: participants (client ids) -> those this process trains (the round loop's
+            sharding); None outside the round loop (then one process trains every participant).
     """
 
     cfg: DictConfig
@@ -59,6 +61,7 @@ class Context:
     num_train: torch.Tensor
     autocast: Callable[[], Any] | None = None
     host_state: dict[int, dict[str, Any]] = field(default_factory=dict)
+    my_clients: Callable[[list[int]], list[int]] | None = None
 
 
 class Algorithm:

@@ -89,12 +89,10 @@ class FedFew(Algorithm):
         self._pending: dict[int, torch.Tensor] = {}
         self._trained: set[int] = set()
         # which clients the engine trains together (loop: one at a time). A chunk may only hold
-        # clients this process is sure to be asked for: every participant on one process; with
-        # several, the round loop decides which are ours, so chunks need its list of them (a
-        # ``my_clients`` callable on the context) and are single clients without it.
-        mine_of = getattr(ctx, "my_clients", None)
-        if mine_of is not None:
-            mine = list(mine_of(participants))
+        # clients this process is sure to be asked for: the round loop's sharding
+        # (``ctx.my_clients``); without it, every participant on one process, else single clients.
+        if ctx.my_clients is not None:
+            mine = list(ctx.my_clients(participants))
         elif ctx.fabric.world_size == 1:
             mine = list(participants)
         else:

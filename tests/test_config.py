@@ -30,12 +30,27 @@ def test_default_config_is_valid():
         ("optim.name=rmsprop", "optim.name='rmsprop': allowed sgd | adam | adamw"),
         ("engine=jit", "engine='jit': allowed loop | vmap"),
         ("engine=vmap optim.name=adam", "engine=vmap with optim.name='adam'"),
+        ("optim.schedule=linear", "optim.schedule='linear': allowed constant | exponential | cosine"),
+        ("optim.gamma=0.0", "optim.gamma=0.0: allowed number in (0, 1]"),
+        ("optim.lr=0.1 optim.min_lr=0.5", "optim.min_lr=0.5 > optim.lr=0.1"),
     ],
 )
 def test_bad_values_are_named(override, needle):
     with pytest.raises(ConfigError) as err:
         validate_config(compose_config(*override.split()))
     assert needle in str(err.value)
+
+
+def test_rule_choices_match_the_registries():
+    """The names a rule accepts are exactly what the code can build (no drift between the two)."""
+    from fedfew.engines import ENGINES
+    from fedfew.module import LR_SCHEDULES, OPTIMIZERS
+
+    rules = {rule.key: rule for rule in RULES}
+    for key, names in (("optim.name", OPTIMIZERS), ("optim.schedule", LR_SCHEDULES), ("engine", ENGINES.names())):
+        assert all(rules[key].check(name) for name in names), key
+        assert not rules[key].check("not-a-" + key), key
+        assert " | ".join(names) in rules[key].allowed, key
 
 
 def test_all_problems_reported_at_once():

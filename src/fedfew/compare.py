@@ -373,7 +373,8 @@ def describe(rows: Sequence[dict[str, Any]], results: dict[tuple[str, int], dict
         d = next((r["num_parameters"] for r in rows if r["algorithm"] != MAJORITY), 0)
         notes.append(
             f"budget shared by every algorithm: M={cfg['num_clients']} clients ({scheme}), {cfg['rounds']} rounds, "
-            f"{cfg['local_epochs']} local epoch(s), batch {cfg['dataset']['batch_size']}, {cfg['optim'].get('name', 'sgd')} lr {cfg['optim']['lr']}, "
+            f"{cfg['local_epochs']} local epoch(s), batch {cfg['dataset']['batch_size']}, {cfg['optim'].get('name', 'sgd')} lr {cfg['optim']['lr']}"
+            f"{'' if cfg['optim'].get('schedule', 'constant') == 'constant' else ' (' + cfg['optim']['schedule'] + ' schedule)'}, "
             f"participation {cfg.get('participation')}; model {cfg['model']['name']} with d={d:,} parameters")
     notes += [
         "client-mean acc: mean over clients of each client's test accuracy (final round), mean ± std over seeds; "

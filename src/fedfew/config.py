@@ -47,6 +47,11 @@ RULES: list[Rule] = [
     Rule("optim.lr", "number > 0", lambda v: _is_number(v) and v > 0),
     Rule("optim.momentum", "number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1),
     Rule("optim.weight_decay", "number >= 0", lambda v: _is_number(v) and v >= 0),
+    Rule("optim.schedule", "constant | exponential | cosine (local lr over rounds)",
+         lambda v: v in ("constant", "exponential", "cosine")),
+    Rule("optim.gamma", "number in (0, 1] (exponential: lr * gamma^(round-1))", lambda v: _is_number(v) and 0 < v <= 1),
+    Rule("optim.warmup_rounds", "integer >= 0 (linear warm-up of the local lr)", lambda v: _is_int(v) and v >= 0),
+    Rule("optim.min_lr", "number in [0, optim.lr] (cosine: the last round's lr)", lambda v: _is_number(v) and v >= 0),
     Rule("dataset.batch_size", "integer >= 1", lambda v: _is_int(v) and v >= 1),
     Rule("algorithm.K", "integer >= 1", lambda v: _is_int(v) and v >= 1, lambda c: "K" in c.algorithm),
     Rule("algorithm.mu", "number > 0", lambda v: _is_number(v) and v > 0, lambda c: "mu" in c.algorithm),
@@ -127,6 +132,10 @@ def validate_config(cfg: DictConfig) -> None:
     if engine == "vmap" and optimizer not in (_MISSING, "sgd"):
         problems.append(f"  engine=vmap with optim.name={optimizer!r}: the vmap engine implements SGD only; "
                         "use engine=loop or optim.name=sgd")
+    lr, min_lr = _lookup(cfg, "optim.lr"), _lookup(cfg, "optim.min_lr")
+    if _is_number(lr) and _is_number(min_lr) and min_lr > lr:
+        problems.append(f"  optim.min_lr={min_lr!r} > optim.lr={lr!r}: the cosine schedule anneals from optim.lr "
+                        "down to optim.min_lr; use min_lr <= lr")
     sigma = _lookup(cfg, "algorithm.sigma")
     if _is_int(K) and K >= 1 and _is_number(sigma) and sigma > 1.0 / K:
         problems.append(
@@ -144,4 +153,5 @@ def rules_markdown() -> str:
     lines.append("| `algorithm.K` vs `num_clients` | K <= M (a model no client can select is wasted) |")
     lines.append("| `algorithm.sigma` vs `algorithm.K` | sigma <= 1/K where both exist (fedsoft's importance floor) |")
     lines.append("| `engine` vs `optim.name` | engine=vmap needs optim.name=sgd |")
+    lines.append("| `optim.min_lr` vs `optim.lr` | min_lr <= lr (the cosine schedule anneals from lr down to min_lr) |")
     return "\n".join(lines)

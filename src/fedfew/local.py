@@ -27,7 +27,8 @@ def train_local(
 
     One fresh optimizer (``module.configure_optimizers()``) per call; each epoch visits every
     sample once in a random order (the last, partial batch is kept, unlike PFLlib's
-    ``drop_last=True``, so clients smaller than a batch still train). Shuffling and dropout
+    ``drop_last=True``, so clients smaller than a batch still train; the order is
+    :meth:`FederatedData.epoch_order`, length-grouped for text with ``group_by_length``). Shuffling and dropout
     draw from ``seed`` only, so the result does not depend on which rank trains the client.
 
     Args:
@@ -53,7 +54,7 @@ def train_local(
     n = index.numel()
     running = torch.zeros((), device=index.device)
     for _ in range(epochs):
-        order = index[torch.randperm(n, device=index.device)]
+        order = data.epoch_order(index, batch_size)
         running = torch.zeros((), device=index.device)
         for start in range(0, n, batch_size):
             batch = data.batch(order[start : start + batch_size])

@@ -6,7 +6,9 @@ in-place copy, no deep copy), trains it, and returns the parameter delta.
 """
 from __future__ import annotations
 
-from typing import Callable
+import math
+
+from typing import Any, Callable
 
 import lightning as L
 import torch
@@ -26,6 +28,39 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adam": lambda params, lr, momentum, weight_decay: torch.optim.Adam(params, lr=lr, weight_decay=weight_decay),
     "adamw": lambda params, lr, momentum, weight_decay: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay),
 }
+
+#: local learning-rate schedules over rounds (``optim.schedule``): round r of R (1-based) uses
+#: ``lr * factor(r, R, optim)``. ``exponential`` is PFLlib's ``learning_rate_decay`` (gamma per
+#: round); ``cosine`` anneals from ``lr`` to ``optim.min_lr`` at the last round.
+LR_SCHEDULES: dict[str, Callable[[int, int, Any], float]] = {
+    "constant": lambda r, R, optim: 1.0,
+    "exponential": lambda r, R, optim: float(optim.get("gamma", 0.99)) ** (r - 1),
+    "cosine": lambda r, R, optim: (
+        float(optim.get("min_lr", 0.0)) / float(optim.lr)
+        + (1 - float(optim.get("min_lr", 0.0)) / float(optim.lr)) * 0.5 * (1 + math.cos(math.pi * (r - 1) / max(R - 1, 1)))
+    ),
+}
+
+
+def round_lr(optim: Any, rnd: int, rounds: int) -> float:
+    """The local learning rate of round ``rnd`` (1-based) of ``rounds``.
+
+    Args:
+        optim: the ``optim`` config: ``lr`` (> 0), ``schedule`` (constant | exponential |
+            cosine; default constant), ``gamma`` (exponential, per round), ``min_lr`` (cosine, the
+            last round's lr, in [0, lr]), ``warmup_rounds`` (default 0: the first W rounds
+            scale the schedule's lr by r / W, a linear warm-up).
+    Returns:
+        The learning rate (same units as ``optim.lr``); ``lr`` itself at round 1 without warm-up.
+    Raises:
+        ValueError: an unknown ``optim.schedule``.
+    """
+    name = str(optim.get("schedule", "constant"))
+    if name not in LR_SCHEDULES:
+        raise ValueError(f"optim.schedule={name!r}; allowed: {', '.join(LR_SCHEDULES)}")
+    warmup = int(optim.get("warmup_rounds", 0))
+    ramp = min(1.0, int(rnd) / warmup) if warmup > 0 else 1.0
+    return float(optim.lr) * ramp * LR_SCHEDULES[name](int(rnd), int(rounds), optim)
 
 
 def flat_parameters(module: nn.Module) -> torch.Tensor:

@@ -29,7 +29,7 @@ from fedfew.distributed import all_reduce_, gather_rows, merge_dicts
 from fedfew.evaluation import evaluate_clients
 from fedfew.io import atomic_torch_save
 from fedfew.models import MODELS, DataInfo
-from fedfew.module import KModelSet
+from fedfew.module import KModelSet, round_lr
 from fedfew.seeding import derive_seed
 
 
@@ -138,6 +138,7 @@ class Simulation:
         start = time.perf_counter()
         participants = select_participants(self.cfg, rnd, self.num_clients)
         position = {cid: j for j, cid in enumerate(participants)}
+        self.module.lr = round_lr(self.cfg.optim, rnd, int(self.cfg.rounds))  # every local optimizer of this round
         self.algorithm.begin_round(rnd, participants)
         rows: dict[str, dict[int, torch.Tensor]] = {}
         for cid in self.my_clients(participants):
@@ -151,7 +152,7 @@ class Simulation:
         }
         logs = self.algorithm.end_round(rnd, participants, gathered)
         logs.update(round=rnd, participants=participants, round_time_s=time.perf_counter() - start,
-                    lr=float(self.cfg.optim.lr))
+                    lr=self.module.lr)
         return logs
 
     def evaluate(self, rnd: int) -> dict[str, Any]:

@@ -102,6 +102,8 @@ class FederatedData:
             sequence they contain), ``None`` for non-text data.
         vocab_size: vocabulary size for text data (``None`` otherwise).
         partition_hash: stable hash of the client index sets (same seed -> same hash).
+        group_by_length: text only: :meth:`epoch_order` puts texts of similar length in the
+            same batch (``dataset.group_by_length``), so batches carry less padding.
     """
 
     inputs: torch.Tensor
@@ -112,10 +114,39 @@ class FederatedData:
     vocab_size: int | None = None
     partition_hash: str = ""
     name: str = ""
+    group_by_length: bool = False
 
     @property
     def num_clients(self) -> int:
         return len(self.clients)
+
+    def epoch_order(self, index: torch.Tensor, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """One local epoch's visiting order of a client's samples; consecutive slices of
+        ``batch_size`` are its batches (the last one may be partial).
+
+        Default: a uniform random permutation of ``index``. With ``group_by_length`` (text), the
+        permuted samples are sorted by length (longest first, ties in random order), cut into
+        batches, and the full batches are visited in a random order, the partial batch (the
+        shortest texts) last: the length-grouped sampling of HF ``group_by_length`` with one
+        group per client (a client holds a few dozen batches at most). Every sample is still
+        visited exactly once per epoch.
+
+        Args:
+            index: (n,) int64 sample indices (on the data's device).
+            batch_size: B >= 1.
+            generator: random stream (default: torch's global one).
+        Returns:
+            (n,) int64, a permutation of ``index``.
+        """
+        n = index.numel()
+        order = index[torch.randperm(n, generator=generator, device=index.device)]
+        if not (self.group_by_length and self.lengths is not None) or n <= batch_size:
+            return order
+        by_length = order[torch.sort(self.lengths[order], descending=True, stable=True).indices]
+        full = n // batch_size
+        batches = torch.randperm(full, generator=generator, device=index.device)
+        head = by_length[: full * batch_size].view(full, batch_size)[batches].reshape(-1)
+        return torch.cat([head, by_length[full * batch_size :]])
 
     def batch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather a batch by sample indices; text is cut to its longest sequence

@@ -154,7 +154,8 @@ def build_federated_data(cfg: DictConfig) -> FederatedData:
     if pooled.texts is not None:
         train_index = np.concatenate([c.train for c in clients])
         inputs, lengths, vocab_size = encode_texts_cached(pooled, train_index, cfg.dataset, data_dir)
-        data = FederatedData(inputs=inputs, lengths=lengths, vocab_size=vocab_size, **common)
+        data = FederatedData(inputs=inputs, lengths=lengths, vocab_size=vocab_size,
+                             group_by_length=bool(cfg.dataset.get("group_by_length", False)), **common)
     elif isinstance(pooled, ImageDataset):
         if _in_memory(cfg.dataset, pooled):
             data = FederatedData(inputs=pooled.normalized(), **common)

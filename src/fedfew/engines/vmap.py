@@ -90,7 +90,6 @@ class VmapEngine(Engine):
         if self.module.optimizer != "sgd":
             raise ValueError(f"engine=vmap implements SGD only, got optim.name={self.module.optimizer!r}; "
                              "use engine=loop for Adam/AdamW")
-        self.lr = float(self.module.lr)
         self.momentum = float(self.module.momentum)
         self.weight_decay = float(self.module.weight_decay)
         self._rows = 0
@@ -124,7 +123,7 @@ class VmapEngine(Engine):
                 torch._foreach_mul_(velocity, self.momentum)
                 torch._foreach_add_(velocity, grads)
             grads = velocity
-        torch._foreach_add_(params, grads, alpha=-self.lr)
+        torch._foreach_add_(params, grads, alpha=-float(self.module.lr))  # this round's lr
 
     # -- stacked state ------------------------------------------------------------------------
 
@@ -203,7 +202,8 @@ class VmapEngine(Engine):
 
     def _orders(self, jobs: Sequence[ClientJob], generators: list[torch.Generator], width: int) -> torch.Tensor:
         """(R, width) sample indices of one epoch: row (c, k) is client c's train indices in
-        the order of a fresh permutation from generator (c, k), padded with its first index."""
+        the order of a fresh permutation from generator (c, k) (:meth:`FederatedData.epoch_order`),
+        padded with its first index."""
         K = self.K
         device = jobs[0].index.device
         orders = torch.empty((len(jobs) * K, width), dtype=torch.int64, device=device)
@@ -211,7 +211,7 @@ class VmapEngine(Engine):
             n = job.index.numel()
             for k in range(K):
                 r = c * K + k
-                orders[r, :n] = job.index[torch.randperm(n, generator=generators[r], device=device)]
+                orders[r, :n] = self.data.epoch_order(job.index, self.batch_size, generators[r])
                 orders[r, n:] = job.index[0]
         return orders
 

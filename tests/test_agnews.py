@@ -138,6 +138,7 @@ def test_config_file() -> None:
         "tokenizer": "basic_english",
         "max_vocab": 32000,
         "max_length": 200,
+        "group_by_length": False,
         "num_classes": 4,
         "kind": "text",
         "lr": 0.2,

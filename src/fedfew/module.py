@@ -7,7 +7,6 @@ in-place copy, no deep copy), trains it, and returns the parameter delta.
 from __future__ import annotations
 
 import math
-
 from typing import Any, Callable
 
 import lightning as L

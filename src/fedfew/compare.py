@@ -371,10 +371,12 @@ def describe(rows: Sequence[dict[str, Any]], results: dict[tuple[str, int], dict
     notes = []
     if cfg:
         d = next((r["num_parameters"] for r in rows if r["algorithm"] != MAJORITY), 0)
+        schedule = cfg["optim"].get("schedule", "constant")
+        schedule = "" if schedule == "constant" else f" ({schedule} schedule)"
         notes.append(
             f"budget shared by every algorithm: M={cfg['num_clients']} clients ({scheme}), {cfg['rounds']} rounds, "
             f"{cfg['local_epochs']} local epoch(s), batch {cfg['dataset']['batch_size']}, {cfg['optim'].get('name', 'sgd')} lr {cfg['optim']['lr']}"
-            f"{'' if cfg['optim'].get('schedule', 'constant') == 'constant' else ' (' + cfg['optim']['schedule'] + ' schedule)'}, "
+            f"{schedule}, "
             f"participation {cfg.get('participation')}; model {cfg['model']['name']} with d={d:,} parameters")
     notes += [
         "client-mean acc: mean over clients of each client's test accuracy (final round), mean ± std over seeds; "

@@ -31,13 +31,15 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 #: local learning-rate schedules over rounds (``optim.schedule``): round r of R (1-based) uses
 #: ``lr * factor(r, R, optim)``. ``exponential`` is PFLlib's ``learning_rate_decay`` (gamma per
 #: round); ``cosine`` anneals from ``lr`` to ``optim.min_lr`` at the last round.
+def _cosine(r: int, R: int, optim: Any) -> float:
+    floor = float(optim.get("min_lr", 0.0)) / float(optim.lr)  # min_lr as a fraction of lr
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (r - 1) / max(R - 1, 1)))
+
+
 LR_SCHEDULES: dict[str, Callable[[int, int, Any], float]] = {
     "constant": lambda r, R, optim: 1.0,
     "exponential": lambda r, R, optim: float(optim.get("gamma", 0.99)) ** (r - 1),
-    "cosine": lambda r, R, optim: (
-        float(optim.get("min_lr", 0.0)) / float(optim.lr)
-        + (1 - float(optim.get("min_lr", 0.0)) / float(optim.lr)) * 0.5 * (1 + math.cos(math.pi * (r - 1) / max(R - 1, 1)))
-    ),
+    "cosine": _cosine,
 }
 
 

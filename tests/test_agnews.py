@@ -138,11 +138,11 @@ def test_config_file() -> None:
         "tokenizer": "basic_english",
         "max_vocab": 32000,
         "max_length": 200,
-        "group_by_length": False,
+        "group_by_length": True,
         "num_classes": 4,
         "kind": "text",
         "lr": 0.2,
-        "rounds": 40,
+        "rounds": 60,
     }
 
 

@@ -32,6 +32,8 @@ def test_default_config_is_valid():
         ("engine=vmap optim.name=adam", "engine=vmap with optim.name='adam'"),
         ("optim.schedule=linear", "optim.schedule='linear': allowed constant | exponential | cosine"),
         ("optim.gamma=0.0", "optim.gamma=0.0: allowed number in (0, 1]"),
+        ("dataset=agnews model.embed_lr_scale=0", "model.embed_lr_scale=0: allowed number > 0"),
+        ("dataset=agnews model.embed_init_std=-1", "model.embed_init_std=-1: allowed number > 0"),
         ("optim.lr=0.1 optim.min_lr=0.5", "optim.min_lr=0.5 > optim.lr=0.1"),
     ],
 )

@@ -216,7 +216,8 @@ def test_compile_plumbing_matches_eager(tmp_path, cpu_fabric):
 def test_group_by_length_same_in_both_engines(tmp_path, cpu_fabric):
     """Texts of varied lengths with ``dataset.group_by_length``: loop and vmap draw the same
     length-grouped batches (padding is masked, so cutting widths do not matter) and agree within
-    1e-5; the grouped order trains differently from the plain shuffled one."""
+    1e-5; the grouped order trains differently from the plain shuffled one. The AG News model's
+    embedding reparametrisation (``model.embed_lr_scale`` != 1) runs through both engines here."""
     n, L = 60, 16
     g = torch.Generator().manual_seed(3)
     lengths = torch.randint(3, L + 1, (n,), generator=g)
@@ -228,6 +229,7 @@ def test_group_by_length_same_in_both_engines(tmp_path, cpu_fabric):
         cfg = compose_config("dataset=agnews", "model.embed_dim=8", "model.channels=4", "model.dropout=0.0",
                              "num_clients=3", "algorithm.K=2", "dataset.batch_size=4", "logger=none", f"engine={engine}",
                              f"dataset.group_by_length={grouped}")
+        assert cfg.model.embed_lr_scale != 1 and cfg.model.embed_init_std != 1
         data = FederatedData(inputs=tokens.clone(), targets=targets.clone(), num_classes=4, clients=clients,
                              lengths=lengths.clone(), vocab_size=50, partition_hash="t", group_by_length=grouped)
         sim = Simulation(cfg, cpu_fabric, tmp_path, data=data)

@@ -1,4 +1,4 @@
-"""Model-level rules: TextCNN's max over time ignores padding windows."""
+"""Model-level rules: TextCNN's max over time ignores padding windows; its embedding lr scale."""
 from __future__ import annotations
 
 import torch
@@ -58,3 +58,40 @@ def test_optimizer_choice_reaches_local_training():
             torch.testing.assert_close(p.detach() - b, expected, rtol=1e-4, atol=1e-7)
     with pytest.raises(ValueError, match="optim.name='rmsprop'"):
         KModelSet(lambda: nn.Linear(3, 2), K=1, optimizer="rmsprop")
+
+
+def test_embed_lr_scale_is_the_same_function_with_an_m_times_faster_sgd_step_on_word_vectors():
+    """embed_lr_scale=m: same initial function (effective table = stored * sqrt(m)); one SGD
+    step at lr eta moves the effective word vectors by m * eta * dL/dE, the other weights by
+    eta * dL/dW, exactly as a plain layer whose embedding has lr m * eta (param groups)."""
+    import pytest
+
+    m, eta = 100.0, 0.1
+    tokens = torch.tensor([[7, 3, 9, 12, 4, 8], [5, 6, 2, 1, 0, 0]])
+    y = torch.tensor([1, 3])
+    torch.manual_seed(1)
+    scaled = TextCNNBody(30, 6, [3, 4], 4, 0.0, embed_lr_scale=m)
+    torch.manual_seed(1)
+    plain = TextCNNBody(30, 6, [3, 4], 4, 0.0)
+    assert torch.equal(scaled.embedding.weight[0], torch.zeros(6))  # padding row stays 0
+    torch.testing.assert_close(scaled.embedding.weight * m ** 0.5, plain.embedding.weight, rtol=1e-6, atol=0)
+    torch.testing.assert_close(scaled(tokens), plain(tokens), rtol=1e-5, atol=1e-6)
+
+    head = torch.nn.Linear(8, 4)
+    start = plain.embedding.weight.detach().clone()
+    def step(body, groups):
+        opt = torch.optim.SGD(groups, lr=eta)
+        loss = torch.nn.functional.cross_entropy(head(body(tokens)), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    step(scaled, list(scaled.parameters()))
+    step(plain, [{"params": [plain.embedding.weight], "lr": m * eta},
+                 {"params": [p for n, p in plain.named_parameters() if not n.startswith("embedding")]}])
+    assert (plain.embedding.weight - start).abs().max() > 1e-2  # the step did move the word vectors
+    torch.testing.assert_close(scaled.embedding.weight * m ** 0.5, plain.embedding.weight, rtol=1e-5, atol=1e-6)
+    for (n, a), b in zip(scaled.named_parameters(), plain.parameters()):
+        if not n.startswith("embedding"):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="embed_lr_scale must be > 0"):
+        TextCNNBody(30, 6, [3], 4, 0.0, embed_lr_scale=0.0)

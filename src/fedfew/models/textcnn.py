@@ -19,13 +19,27 @@ class TextCNNBody(nn.Module):
     longest text, so without the mask a text's features (and its prediction) would depend on
     which other texts share its batch: windows over padding still add the conv bias. The
     reference pads every text to 200 and maxes over all windows (``mask_padding=False``).
+
+    ``embed_lr_scale=m`` stores the embedding table divided by sqrt(m) and multiplies its rows
+    by sqrt(m) in forward: the same function and the same N(0, 1) initial vectors, but plain SGD
+    then moves the word vectors m times faster than the other weights. Each word vector only gets
+    gradient from the few windows that win the max over time, so at a shared lr it barely leaves
+    its random start. Being a reparametrisation, it works unchanged in every engine and
+    algorithm (deltas and averages are taken on the stored table). 1 (default) is the plain layer.
     """
 
     def __init__(self, vocab_size: int, embed_dim: int, kernels: list[int], channels: int, dropout: float,
-                 mask_padding: bool = True):
+                 mask_padding: bool = True, embed_lr_scale: float = 1.0, embed_init_std: float = 1.0):
         super().__init__()
+        for key, value in (("embed_lr_scale", embed_lr_scale), ("embed_init_std", embed_init_std)):
+            if not value > 0:
+                raise ValueError(f"model.{key} must be > 0, got {value}")
         self.mask_padding = mask_padding
         self.embedding = nn.Embedding(vocab_size, embed_dim, padding_idx=0)
+        self.embed_multiplier = float(embed_lr_scale) ** 0.5
+        if embed_init_std != 1.0 or self.embed_multiplier != 1.0:
+            with torch.no_grad():  # rescales the N(0, 1) draw: same random stream as the plain layer
+                self.embedding.weight.mul_(embed_init_std / self.embed_multiplier)
         self.convs = nn.ModuleList(nn.Conv1d(embed_dim, channels, k) for k in kernels)
         self.dropout = nn.Dropout(dropout)
         self.min_length = max(kernels)
@@ -33,7 +47,10 @@ class TextCNNBody(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] < self.min_length:
             tokens = nn.functional.pad(tokens, (0, self.min_length - tokens.shape[1]))
-        x = self.embedding(tokens).transpose(1, 2)  # (B, E, L)
+        x = self.embedding(tokens)
+        if self.embed_multiplier != 1.0:
+            x = x * self.embed_multiplier
+        x = x.transpose(1, 2)  # (B, E, L)
         lengths = (tokens != 0).sum(dim=1, keepdim=True)  # (B, 1)
         feats = []
         for conv in self.convs:
@@ -53,15 +70,17 @@ def build(cfg, info: DataInfo) -> BodyHead:
 
     Args:
         cfg: ``embed_dim`` (default 128; the reference uses 512), ``kernels``, ``channels``,
-            ``dropout`` (0.5), ``mask_padding`` (True; see :class:`TextCNNBody`).
+            ``dropout`` (0.5), ``mask_padding`` (True), ``embed_lr_scale`` (1.0; see
+            :class:`TextCNNBody`).
         info: needs ``vocab_size``.
     Raises:
-        ValueError: no vocabulary size (not a text dataset).
+        ValueError: no vocabulary size (not a text dataset), or ``embed_lr_scale <= 0``.
     """
     if not info.vocab_size:
         raise ValueError("model textcnn needs a text dataset (vocab_size); pick another model for this dataset")
     kernels = list(cfg.get("kernels", [3, 4, 5]))
     channels = int(cfg.get("channels", 100))
     body = TextCNNBody(info.vocab_size, int(cfg.get("embed_dim", 128)), kernels, channels, float(cfg.get("dropout", 0.5)),
-                       bool(cfg.get("mask_padding", True)))
+                       bool(cfg.get("mask_padding", True)), float(cfg.get("embed_lr_scale", 1.0)),
+                       float(cfg.get("embed_init_std", 1.0)))
     return BodyHead(body, nn.Linear(channels * len(kernels), info.num_classes))

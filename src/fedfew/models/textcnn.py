@@ -20,12 +20,19 @@ class TextCNNBody(nn.Module):
     which other texts share its batch: windows over padding still add the conv bias. The
     reference pads every text to 200 and maxes over all windows (``mask_padding=False``).
 
+    ``embed_init_std`` scales the initial word vectors, N(0, embed_init_std^2) (1, the default,
+    is PyTorch's ``nn.Embedding`` and the reference's; Kim's 2014 code draws U[-0.25, 0.25]).
+
     ``embed_lr_scale=m`` stores the embedding table divided by sqrt(m) and multiplies its rows
-    by sqrt(m) in forward: the same function and the same N(0, 1) initial vectors, but plain SGD
-    then moves the word vectors m times faster than the other weights. Each word vector only gets
-    gradient from the few windows that win the max over time, so at a shared lr it barely leaves
-    its random start. Being a reparametrisation, it works unchanged in every engine and
-    algorithm (deltas and averages are taken on the stored table). 1 (default) is the plain layer.
+    by sqrt(m) in forward: the same function and the same initial vectors, but a plain SGD step
+    moves the word vectors m times as far as the other weights (Adam, being invariant to the
+    gradient's scale: sqrt(m) times). Each word vector only gets gradient from the few windows
+    that win the max over time, so at a shared lr it barely leaves its random start. Being a
+    reparametrisation, it works unchanged in every engine and algorithm (deltas and averages are
+    taken on the stored table). 1 (default) is the plain layer.
+
+    Raises:
+        ValueError: ``embed_lr_scale`` or ``embed_init_std`` is not > 0.
     """
 
     def __init__(self, vocab_size: int, embed_dim: int, kernels: list[int], channels: int, dropout: float,
@@ -70,11 +77,12 @@ def build(cfg, info: DataInfo) -> BodyHead:
 
     Args:
         cfg: ``embed_dim`` (default 128; the reference uses 512), ``kernels``, ``channels``,
-            ``dropout`` (0.5), ``mask_padding`` (True), ``embed_lr_scale`` (1.0; see
-            :class:`TextCNNBody`).
+            ``dropout`` (0.5), ``mask_padding`` (True), ``embed_init_std`` (1.0),
+            ``embed_lr_scale`` (1.0); see :class:`TextCNNBody`.
         info: needs ``vocab_size``.
     Raises:
-        ValueError: no vocabulary size (not a text dataset), or ``embed_lr_scale <= 0``.
+        ValueError: no vocabulary size (not a text dataset), or ``embed_lr_scale`` /
+            ``embed_init_std`` not > 0.
     """
     if not info.vocab_size:
         raise ValueError("model textcnn needs a text dataset (vocab_size); pick another model for this dataset")

@@ -93,5 +93,10 @@ def test_embed_lr_scale_is_the_same_function_with_an_m_times_faster_sgd_step_on_
     for (n, a), b in zip(scaled.named_parameters(), plain.parameters()):
         if not n.startswith("embedding"):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.manual_seed(1)  # embed_init_std rescales the same N(0, 1) draw (and composes with the lr scale)
+    small = TextCNNBody(30, 6, [3, 4], 4, 0.0, embed_lr_scale=m, embed_init_std=0.3)
+    torch.testing.assert_close(small.embedding.weight * m ** 0.5, 0.3 * start, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="embed_init_std must be > 0"):
+        TextCNNBody(30, 6, [3], 4, 0.0, embed_init_std=-1.0)
     with pytest.raises(ValueError, match="embed_lr_scale must be > 0"):
         TextCNNBody(30, 6, [3], 4, 0.0, embed_lr_scale=0.0)

@@ -100,3 +100,30 @@ def test_embed_lr_scale_is_the_same_function_with_an_m_times_faster_sgd_step_on_
         TextCNNBody(30, 6, [3], 4, 0.0, embed_init_std=-1.0)
     with pytest.raises(ValueError, match="embed_lr_scale must be > 0"):
         TextCNNBody(30, 6, [3], 4, 0.0, embed_lr_scale=0.0)
+
+
+def test_state_dict_saved_under_another_embed_lr_scale_does_not_load():
+    """The stored table is word vectors / sqrt(m): a state dict (through torch.save, as in a
+    checkpoint or models.pt) loads into a model with the same m and is refused by another m,
+    including an old state dict without the metadata (m = 1) loaded into m = 30."""
+    import io
+
+    import pytest
+
+    def saved(m: float):
+        buf = io.BytesIO()
+        torch.save(TextCNNBody(30, 6, [3], 4, 0.0, embed_lr_scale=m).state_dict(), buf)
+        buf.seek(0)
+        return torch.load(buf)
+
+    same = TextCNNBody(30, 6, [3], 4, 0.0, embed_lr_scale=30.0)
+    state = saved(30.0)
+    same.load_state_dict(state)
+    assert torch.equal(same.embedding.weight, state["embedding.weight"])
+    with pytest.raises(RuntimeError, match=r"saved with model.embed_lr_scale=30, this model has 1"):
+        TextCNNBody(30, 6, [3], 4, 0.0).load_state_dict(state)
+    old = saved(1.0)
+    del old._metadata  # a plain dict of tensors, as from before the option
+    TextCNNBody(30, 6, [3], 4, 0.0).load_state_dict(old)
+    with pytest.raises(RuntimeError, match=r"saved with model.embed_lr_scale=1, this model has 30"):
+        TextCNNBody(30, 6, [3], 4, 0.0, embed_lr_scale=30.0).load_state_dict(old)

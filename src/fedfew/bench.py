@@ -535,7 +535,9 @@ def drive(args) -> int:
     if "reference" in sections:
         ref: dict[str, Any] = {"reference_round_s": REFERENCE_ROUND_S, "reference_step_s": REFERENCE_STEP_S,
                                "reference_peak_host_gb": REFERENCE_PEAK_HOST_GB}
-        spec = {"dataset": "agnews", "data": text_data, "M": 20, "K": 3, "overrides": ["model=textcnn_reference"],
+        # the reference's batches: plain shuffled order (no length grouping), its TextCNN
+        spec = {"dataset": "agnews", "data": text_data, "M": 20, "K": 3,
+                "overrides": ["model=textcnn_reference", "dataset.group_by_length=false"],
                 "participants": None if full else 3}
         for engine in ("loop", "vmap"):
             _log(f"reference engine={engine}")

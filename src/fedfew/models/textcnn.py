@@ -29,10 +29,15 @@ class TextCNNBody(nn.Module):
     gradient's scale: sqrt(m) times). Each word vector only gets gradient from the few windows
     that win the max over time, so at a shared lr it barely leaves its random start. Being a
     reparametrisation, it works unchanged in every engine and algorithm (deltas and averages are
-    taken on the stored table). 1 (default) is the plain layer.
+    taken on the stored table). 1 (default) is the plain layer. It is exact for the loss
+    gradient only: weight decay and parameter-space distances (proximal terms, FedAMP's or
+    CFL's similarities) act on the stored table, i.e. on word vectors / sqrt(m). A state dict
+    records m in its metadata, and loading one saved under another m (a checkpoint from before a
+    preset change) fails instead of silently rescaling every word vector.
 
     Raises:
         ValueError: ``embed_lr_scale`` or ``embed_init_std`` is not > 0.
+        RuntimeError: ``load_state_dict`` of a state dict saved under another ``embed_lr_scale``.
     """
 
     def __init__(self, vocab_size: int, embed_dim: int, kernels: list[int], channels: int, dropout: float,
@@ -50,6 +55,8 @@ class TextCNNBody(nn.Module):
         self.convs = nn.ModuleList(nn.Conv1d(embed_dim, channels, k) for k in kernels)
         self.dropout = nn.Dropout(dropout)
         self.min_length = max(kernels)
+        self.register_state_dict_post_hook(_record_embed_lr_scale)
+        self.register_load_state_dict_pre_hook(_check_embed_lr_scale)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] < self.min_length:
@@ -69,6 +76,20 @@ class TextCNNBody(nn.Module):
                 h = h.masked_fill(outside.unsqueeze(1), 0.0)  # 0 never beats a ReLU output
             feats.append(h.amax(dim=2))
         return self.dropout(torch.cat(feats, dim=1))
+
+
+def _record_embed_lr_scale(module: TextCNNBody, state_dict, prefix: str, local_metadata: dict) -> None:
+    local_metadata["embed_lr_scale"] = module.embed_multiplier ** 2
+
+
+def _check_embed_lr_scale(module: TextCNNBody, state_dict, prefix: str, local_metadata: dict, strict: bool,
+                          missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+    saved = float(local_metadata.get("embed_lr_scale", 1.0))  # state dicts from before the option: 1
+    current = module.embed_multiplier ** 2
+    if abs(saved - current) > 1e-9 * max(saved, current):
+        error_msgs.append(f"{prefix}embedding: saved with model.embed_lr_scale={saved:g}, this model has "
+                          f"{current:g} (the stored table is word vectors / sqrt(embed_lr_scale)); "
+                          f"rebuild with model.embed_lr_scale={saved:g} to load it")
 
 
 @MODELS.register("textcnn")

@@ -48,7 +48,8 @@ class TextCNNBody(nn.Module):
                 raise ValueError(f"model.{key} must be > 0, got {value}")
         self.mask_padding = mask_padding
         self.embedding = nn.Embedding(vocab_size, embed_dim, padding_idx=0)
-        self.embed_multiplier = float(embed_lr_scale) ** 0.5
+        self.embed_lr_scale = float(embed_lr_scale)  # recorded in state dicts (see the load check)
+        self.embed_multiplier = self.embed_lr_scale ** 0.5
         if embed_init_std != 1.0 or self.embed_multiplier != 1.0:
             with torch.no_grad():  # rescales the N(0, 1) draw: same random stream as the plain layer
                 self.embedding.weight.mul_(embed_init_std / self.embed_multiplier)
@@ -79,14 +80,14 @@ class TextCNNBody(nn.Module):
 
 
 def _record_embed_lr_scale(module: TextCNNBody, state_dict, prefix: str, local_metadata: dict) -> None:
-    local_metadata["embed_lr_scale"] = module.embed_multiplier ** 2
+    local_metadata["embed_lr_scale"] = module.embed_lr_scale
 
 
 def _check_embed_lr_scale(module: TextCNNBody, state_dict, prefix: str, local_metadata: dict, strict: bool,
                           missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
     saved = float(local_metadata.get("embed_lr_scale", 1.0))  # state dicts from before the option: 1
-    current = module.embed_multiplier ** 2
-    if abs(saved - current) > 1e-9 * max(saved, current):
+    current = module.embed_lr_scale
+    if saved != current:
         error_msgs.append(f"{prefix}embedding: saved with model.embed_lr_scale={saved:g}, this model has "
                           f"{current:g} (the stored table is word vectors / sqrt(embed_lr_scale)); "
                           f"rebuild with model.embed_lr_scale={saved:g} to load it")

@@ -11,13 +11,33 @@ with alpha, w the STCH-Set weights of the loss matrix (:func:`fedfew.scalarizati
 The sum is streamed in log space (:class:`fedfew.aggregation.LogWeightedSum`), so no rank keeps
 more than K deltas at a time.
 
-Config (``conf/algorithm/fedfew.yaml``): ``K`` (3), ``mu`` (0.01), ``init``
-(independent | identical), ``loss_source`` (running: mean minibatch loss of the last local
-epoch, the reference's | pre: eval-mode loss of the broadcast model on the train split),
-``sample_weighting`` (samples: L_ik * n_i / sum_j n_j, the reference's | none: the paper's
-text), ``server_lr`` (eta_s = 1, as the reference), ``normalize`` (false: no renormalisation, the
-reference's | true: divide model k's step by sum_i alpha_i w_ik, so each model moves by the
-weighted mean of its deltas, FedAvg-sized steps instead of ~1/K of one).
+Config (``conf/algorithm/fedfew.yaml``): ``K`` (3; the number of known groups on
+``partition=clustered``), ``mu`` (temperature of the soft selections, in nats of loss, see
+``mu_scale``), ``mu_scale`` (relative: client-size weights n_i / mean n, so mu means the same for
+any M | reference: p_i = n_i / sum n, the reference's, mu then shrinks like 1/M),
+``init`` (independent | identical), ``loss_source`` (running: mean minibatch loss of the last
+local epoch, the reference's | pre: eval-mode loss of the broadcast model on the train split),
+``sample_weighting`` (samples: L_ik weighted by client size, the reference's | none: the
+paper's text), ``server_lr`` (eta_s = 1, as the reference), ``normalize`` (true, our default:
+divide model k's step by sum_i alpha_i w_ik, so each model moves by the weighted *mean* of its
+deltas | false: the reference's rule).
+
+Why ``normalize=true`` is the default: with the reference's rule sum_k sum_i alpha_i w_ik = 1, so
+the K models share ONE client-sized step. The model that leads early takes most of it, the
+others stop moving, their w_ik go to 0 and every client ends on one model (measured on digits,
+M = 20, K = 3: effective steps [0.32, 0.45, 0.23] at round 1, [0.000, 0.985, 0.013] by round
+31, clients per model [0, 20, 0]). Normalising keeps every model moving towards the clients it
+serves best (alpha still weighs struggling clients more inside each model's mean).
+``algorithm=fedfew_reference`` restores every reference setting at once.
+
+Logged every round (``end_round``): ``g``, ``alpha`` (P), ``w`` (P x K), ``loss`` (P x K),
+``assignment`` (argmax_k w_ik), and the diagnostics of :func:`set_diagnostics`:
+``effective_step`` (K; the fraction of a client-sized step model k actually took:
+eta_s * sum_i alpha_i w_ik, divided by that sum when normalising), ``weight_share`` (K;
+sum_i alpha_i w_ik), ``effective_clients`` (K; (sum_i w_ik)^2 / sum_i w_ik^2), ``models_in_use``
+(models that are some client's argmax w), ``loss_gap_mean`` (mean over clients of the gap between
+their second-best and best model loss, nats) and ``model_distance_mean`` (mean pairwise L2
+distance between the server models' parameters).
 
 Local training is delegated to an engine (top-level ``engine``: ``loop``, the default, trains
 the K models one after another; ``vmap`` trains them -- and on a GPU several clients' -- as
@@ -38,7 +58,7 @@ from fedfew.engines import ENGINES
 from fedfew.engines.base import ClientJob
 from fedfew.local import evaluate_model
 from fedfew.module import assign_flat_, flat_parameters
-from fedfew.scalarization import SAMPLE_WEIGHTINGS, client_log_weights, stch_set
+from fedfew.scalarization import MU_SCALES, SAMPLE_WEIGHTINGS, client_log_weights, stch_set
 from fedfew.seeding import derive_seed
 
 LOSS_SOURCES = ("running", "pre")
@@ -63,6 +83,11 @@ class FedFew(Algorithm):
     """FedFew with STCH-Set weights (see module docstring)."""
 
     row_shapes = {"loss": lambda K: (K,)}
+    watch_collapse = True
+    collapse_hint = ("Keys that help: algorithm.normalize=true (each model moves by the weighted mean of its deltas; "
+                     "the reference's rule makes the K models share one step), a larger algorithm.mu (softer w), "
+                     "algorithm.init=independent. On label-skew splits (Dirichlet) one model serving every client "
+                     "can be the objective's own optimum: docs/fedfew.md")
 
     def __init__(self, cfg, ctx: Context) -> None:
         super().__init__(cfg, ctx)
@@ -72,10 +97,13 @@ class FedFew(Algorithm):
             raise ValueError(
                 f"algorithm.sample_weighting={cfg.sample_weighting!r}; allowed: {', '.join(SAMPLE_WEIGHTINGS)}"
             )
+        if cfg.get("mu_scale", "relative") not in MU_SCALES:
+            raise ValueError(f"algorithm.mu_scale={cfg.mu_scale!r}; allowed: {', '.join(MU_SCALES)}")
         self.mu = float(cfg.mu)
         self.engine = ENGINES.get(ctx.cfg.get("engine", "loop") or "loop").from_context(ctx)
         self._accumulator: LogWeightedSum | None = None
         self._participant_total = 1.0
+        self._participant_count = 1
 
     @staticmethod
     def num_models(cfg) -> int:
@@ -86,6 +114,7 @@ class FedFew(Algorithm):
         dim = sum(p.numel() for p in module.working.parameters())
         self._accumulator = LogWeightedSum(module.K, dim, device=ctx.fabric.device)
         self._participant_total = float(ctx.num_train[participants].sum())
+        self._participant_count = len(participants)
         self._pending: dict[int, torch.Tensor] = {}
         self._trained: set[int] = set()
         # which clients the engine trains together (loop: one at a time). A chunk may only hold
@@ -136,10 +165,13 @@ class FedFew(Algorithm):
             self._pending[result.client] = losses
 
     def _loss_scale(self, client_id: int) -> float:
-        """p_i = n_i / sum_j n_j over this round's participants (``samples``), else 1."""
+        """The weight of client ``client_id``'s losses this round (:func:`weight_losses`):
+        ``samples``: n_i / mean_j n_j (``mu_scale=relative``) or p_i = n_i / sum_j n_j
+        (``reference``), over this round's participants; ``none``: 1."""
         if self.cfg.sample_weighting != "samples":
             return 1.0
-        return float(self.ctx.num_train[client_id]) / self._participant_total
+        share = float(self.ctx.num_train[client_id]) / self._participant_total
+        return share * self._participant_count if self.cfg.get("mu_scale", "relative") == "relative" else share
 
     def end_round(self, rnd: int, participants: list[int], rows: dict[str, torch.Tensor]) -> dict[str, Any]:
         losses = rows["loss"].double().cpu()
@@ -154,25 +186,58 @@ class FedFew(Algorithm):
             self._accumulator = None
             return {**logs, "g": float("nan"), "alpha": alpha, "w": w, "assignment": torch.zeros(len(participants), dtype=torch.long),
                     "effective_step": torch.zeros(K, dtype=torch.float64)}
-        # the same scaled losses L'_ik = p_i L_ik as the clients used for their log weights
+        # the same scaled losses L'_ik = s_i L_ik (_loss_scale) as the clients used for their log weights
         scale = torch.tensor([self._loss_scale(c) for c in participants], dtype=torch.float64)
         weights = stch_set((losses * scale[:, None])[valid], self.mu)
         alpha[valid], w[valid] = weights.alpha, weights.w
-        update = accumulator.result(float(weights.g) / self.mu)
         weight = alpha[:, None] * w
-        step = torch.ones(K, dtype=torch.float64)
-        if self.cfg.get("normalize", False):
-            # each model moves by the weighted *mean* of its deltas (FedAvg-sized steps)
-            total = weight.sum(dim=0)
-            step = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+        share = weight.sum(dim=0)  # (K,) sum_i alpha_i w_ik
+        if self.cfg.get("normalize", True):
+            # each model moves by the weighted *mean* of its deltas (FedAvg-sized steps), computed in
+            # log space so a model whose total weight underflows still moves towards its clients
+            update, step = accumulator.mean(), (accumulator.total > 0).double()
+        else:
+            update, step = accumulator.result(float(weights.g) / self.mu), share.clone()
         eta = float(self.cfg.server_lr)
         for k, model in enumerate(self.ctx.module.models):
             # the server parameters do not change during a round: no (K, d) copy is kept
-            new = flat_parameters(model) + (eta * float(step[k])) * update[k]
+            new = flat_parameters(model) + eta * update[k]
             if not bool(torch.isfinite(new).all()):  # never let NaN/inf reach a server model
                 warnings.warn(f"round {rnd}: the update of model {k} is not finite; model {k} keeps its parameters")
+                step[k] = 0.0
                 continue
             assign_flat_(model, new)
         self._accumulator = None
-        return {**logs, "g": float(weights.g), "alpha": alpha, "w": w,
-                "assignment": w.argmax(dim=1), "effective_step": weight.sum(dim=0)}
+        diagnostics = set_diagnostics(losses[valid], w[valid], [flat_parameters(m) for m in self.ctx.module.models])
+        return {**logs, "g": float(weights.g), "alpha": alpha, "w": w, "assignment": w.argmax(dim=1),
+                "effective_step": eta * step, "weight_share": share, **diagnostics}
+
+
+def set_diagnostics(losses: torch.Tensor, w: torch.Tensor, flat_models: list[torch.Tensor]) -> dict[str, Any]:
+    """How many of the K models serve clients, and how different they are.
+
+    Args:
+        losses: (P, K) raw losses L_ik (nats) of the round's valid participants.
+        w: (P, K) client-model weights (rows sum to 1).
+        flat_models: K flat (d,) parameter vectors of the server models.
+    Returns:
+        ``effective_clients`` (K,) float64: (sum_i w_ik)^2 / sum_i w_ik^2, the number of clients
+        model k effectively serves (0 for a model with no weight); ``models_in_use`` (int): models
+        that are some client's argmax_k w_ik; ``loss_gap_mean`` (float, nats): mean over clients of
+        (second-best - best) L_ik, NaN for K = 1; ``model_distance_mean`` (float): mean pairwise
+        L2 distance between the models' parameters, NaN for K = 1.
+    """
+    K = w.shape[1]
+    col = w.sum(dim=0)
+    sq = (w ** 2).sum(dim=0)
+    effective = torch.where(sq > 0, col ** 2 / sq.clamp_min(1e-300), torch.zeros_like(col))
+    in_use = int(torch.unique(w.argmax(dim=1)).numel()) if len(w) else 0
+    if K > 1 and len(losses):
+        two = torch.topk(losses, 2, dim=1, largest=False).values
+        gap = float((two[:, 1] - two[:, 0]).mean())
+        stacked = torch.stack([m.double() for m in flat_models])
+        distance = float(torch.pdist(stacked).mean())
+    else:
+        gap = distance = float("nan")
+    return {"effective_clients": effective, "models_in_use": in_use, "loss_gap_mean": gap,
+            "model_distance_mean": distance}

@@ -34,8 +34,11 @@ from fedfew.io import atomic_write_json, atomic_write_text, to_jsonable
 
 SUMMARY_KEYS = ("acc_mean", "acc_std", "acc_min", "acc_max", "acc_weighted", "majority_acc_mean")
 #: keys of an algorithm's round logs that are not extra scalars of its own
+#: per-model vectors (K,) of the round logs, written as ``<name>/<k>``: the fraction of a client
+#: step each model took, FedFew's sum_i alpha_i w_ik and its effective number of clients per model
+PER_MODEL_KEYS = ("effective_step", "weight_share", "effective_clients")
 STANDARD_LOG_KEYS = frozenset({"round", "round_time_s", "lr", "g", "loss", "alpha", "w", "assignment",
-                               "effective_step", "participants"})
+                               "participants", *PER_MODEL_KEYS})
 HISTORY_VERSION = 1
 #: least wall time between two redraws of the PNGs during a run (the end always redraws)
 PLOT_INTERVAL_S = 30.0
@@ -59,9 +62,9 @@ def train_scalars(logs: dict[str, Any]) -> dict[str, float]:
         loss = loss if loss.dim() == 2 else loss.reshape(len(loss), -1)
         out["train_loss_mean"] = float(loss.mean())
         out["train_loss_best_mean"] = float(loss.min(dim=1).values.mean())
-    if isinstance(logs.get("effective_step"), torch.Tensor):
-        for k, v in enumerate(logs["effective_step"].tolist()):
-            out[f"effective_step/{k}"] = v
+    for name in PER_MODEL_KEYS:
+        if isinstance(logs.get(name), torch.Tensor):
+            out.update({f"{name}/{k}": float(v) for k, v in enumerate(logs[name].tolist())})
     if isinstance(logs.get("assignment"), torch.Tensor):
         minlength = len(logs["effective_step"]) if isinstance(logs.get("effective_step"), torch.Tensor) else 0
         served = torch.bincount(logs["assignment"].long().flatten(), minlength=minlength)
@@ -300,6 +303,8 @@ class LoggerBridge:
 
     def on_fit_start(self, sim) -> None:
         for logger in self._loggers(sim):
+            if hasattr(logger, "start_at"):  # fedfew.loggers.RoundCSVLogger: keep the rows before a resume
+                logger.start_at(getattr(sim, "start_round", 1))
             logger.log_hyperparams(OmegaConf.to_container(sim.cfg, resolve=True))
 
     def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
@@ -314,14 +319,41 @@ class LoggerBridge:
 
 
 class ConsoleReport:
-    """A progress bar over rounds on stderr (rich: ETA, last g, last mean accuracy; when
-    stderr is not a terminal, one plain line per evaluation instead) and the per-client table
-    at the end, on rank 0."""
+    """Progress on rank 0, and at the end the per-client table, the headline figures and where
+    the run is (:func:`print_client_table`, :func:`fedfew.runs.where_lines`; on interruption
+    too).
 
-    def __init__(self) -> None:
+    On a terminal (stderr): a rich progress bar over rounds (elapsed, ETA, loss, g, last mean
+    accuracy, training time per round). Otherwise (a log file, Slurm): one plain line per round
+    on stdout, at most one every ``interval_s`` seconds except for the first, the last and
+    every evaluation round, which always get theirs::
+
+        round 12/50  loss 0.4321  g 2.5600  acc 0.8123  train 0.12 s/round  wall 0.16 s/round  eta 0:00:06
+
+    ``loss``: mean training loss over participants and models (``train_loss_mean``), ``g``:
+    FedFew's objective, ``acc``: client-mean personalized accuracy (evaluation rounds only),
+    ``train``: local training and aggregation per round, ``wall``: training, evaluation and
+    logging per round (both averaged over the rounds since the previous line), ``eta``: the
+    rounds left times the mean wall time per round so far.
+
+    Args:
+        interval_s: least seconds between two plain lines (evaluation, first and last rounds excepted).
+        plain: force plain lines (True) or the bar (False); None: plain when stderr is not a terminal.
+    """
+
+    LOG_INTERVAL_S = 10.0
+
+    def __init__(self, interval_s: float = LOG_INTERVAL_S, plain: bool | None = None) -> None:
+        self.interval_s = interval_s
+        self.plain = plain
         self.progress = None
         self.task = None
         self.last_acc: float | None = None
+        self.run_dir: Path | None = None
+        self._start = self._last_time = 0.0
+        self._last_round = 0
+        self._first_round = 1
+        self._train_s = 0.0
 
     def on_fit_start(self, sim) -> None:
         if sim.fabric.global_rank != 0:
@@ -329,38 +361,105 @@ class ConsoleReport:
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+        self.run_dir = Path(sim.run_dir)
+        if self.plain is None:
+            self.plain = not sys.stderr.isatty()
         self.progress = Progress(
             TextColumn("round {task.completed}/{task.total}"), BarColumn(), TimeElapsedColumn(),
             TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-            console=Console(stderr=True), disable=not sys.stderr.isatty(),
+            console=Console(stderr=True), disable=self.plain,
         )
         self.task = self.progress.add_task("rounds", total=int(sim.cfg.rounds), completed=sim.start_round - 1, info="")
         self.progress.start()
+        self._start = self._last_time = time.monotonic()
+        self._first_round = self._last_round = int(sim.start_round)
+        self._last_round -= 1
+        self._train_s = 0.0
+
+    def progress_line(self, round: int, total: int, logs: dict[str, Any], evaluation: dict[str, Any] | None,
+                      now: float) -> str:
+        """The plain progress line of ``round`` (see the class docstring); resets the per-line
+        averages."""
+        scalars = train_scalars(logs)
+        rounds = max(1, round - self._last_round)
+        parts = [f"round {round}/{total}"]
+        if "train_loss_mean" in scalars:
+            parts.append(f"loss {scalars['train_loss_mean']:.4f}")
+        if "g" in scalars:
+            parts.append(f"g {scalars['g']:.4f}")
+        if evaluation is not None:
+            parts.append(f"acc {evaluation['summary']['acc_mean']:.4f}")
+        parts.append(f"train {self._train_s / rounds:.2f} s/round")
+        parts.append(f"wall {(now - self._last_time) / rounds:.2f} s/round")
+        done = round - self._first_round + 1
+        if round < total:
+            parts.append(f"eta {_clock((now - self._start) / done * (total - round))}")
+        self._last_time, self._last_round, self._train_s = now, round, 0.0
+        return "  ".join(parts)
 
     def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
         if sim.fabric.global_rank != 0:
             return
+        now = time.monotonic()
+        total = int(sim.cfg.rounds)
+        self._train_s += float(logs.get("round_time_s", 0.0))
         if evaluation is not None:
             self.last_acc = evaluation["summary"]["acc_mean"]
-        info = f"g={logs['g']:.4f} " if "g" in logs else ""
-        info += f"acc={self.last_acc:.4f}" if self.last_acc is not None else ""
+        if self.plain:
+            due = (evaluation is not None or round == total or round == self._first_round
+                   or now - self._last_time >= self.interval_s)
+            if due:
+                print(self.progress_line(round, total, logs, evaluation, now), flush=True)
+            return
+        scalars = train_scalars(logs)
+        info = f"loss {scalars['train_loss_mean']:.4f} " if "train_loss_mean" in scalars else ""
+        info += f"g {scalars['g']:.4f} " if "g" in scalars else ""
+        info += f"acc {self.last_acc:.4f} " if self.last_acc is not None else ""
+        info += f"train {float(logs.get('round_time_s', 0.0)):.2f} s/round"
         self.progress.update(self.task, completed=round, info=info)
-        if not sys.stderr.isatty() and evaluation is not None:
-            print(f"round {round}/{sim.cfg.rounds} {info} ({logs['round_time_s']:.2f} s/round)", flush=True)
 
     def on_interrupt(self, sim, round: int) -> None:
-        if sim.fabric.global_rank == 0 and self.progress is not None:
+        if sim.fabric.global_rank != 0:
+            return
+        if self.progress is not None:
             self.progress.stop()
+        from fedfew.runs import where_lines
+
+        print("\n".join(where_lines(sim.run_dir, finished=False)), flush=True)
 
     def on_fit_end(self, sim, results: dict[str, Any]) -> None:
         if sim.fabric.global_rank != 0:
             return
         self.progress.stop()
-        print_client_table(results)
+        print_client_table(results, run_dir=sim.run_dir)
 
 
-def print_client_table(results: dict[str, Any]) -> None:
-    """Per-client table (size, chosen model, accuracy, majority baseline) and the summary."""
+def _clock(seconds: float) -> str:
+    """``h:mm:ss`` of a number of seconds."""
+    seconds = int(round(max(seconds, 0.0)))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def summary_lines(results: dict[str, Any]) -> list[str]:
+    """The headline figures of a run's results, one finding per line (printed under the table;
+    append a line here to add one): accuracy, clients per model, speed."""
+    s = results["summary"]
+    lines = [
+        f"client-mean acc {s['acc_mean']:.4f} ± {s['acc_std']:.4f} (min {s['acc_min']:.4f}, max {s['acc_max']:.4f}); "
+        f"sample-weighted {s['acc_weighted']:.4f}; majority-label baseline {s['majority_acc_mean']:.4f}",
+        f"clients per model {s['models_served']}",
+    ]
+    speed = f"speed: wall {results['seconds_per_round']:.2f} s/round (training, evaluation, logging)"
+    if results.get("train_seconds_per_round") is not None:
+        speed += f"; train {results['train_seconds_per_round']:.2f} s/round (local training and aggregation)"
+    lines.append(speed)
+    return lines
+
+
+def print_client_table(results: dict[str, Any], run_dir: str | Path | None = None) -> None:
+    """Per-client table (size, chosen model, accuracy, majority baseline), the headline figures
+    (:func:`summary_lines`) and, with ``run_dir``, where the run is and the commands that open
+    its notebook and plots (:func:`fedfew.runs.where_lines`)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -372,9 +471,10 @@ def print_client_table(results: dict[str, Any]) -> None:
                       f"{c['acc']:.4f}", f"{c['majority_acc']:.4f}")
     console = Console(width=120)
     console.print(table)
-    s = results["summary"]
-    console.print(
-        f"client-mean acc {s['acc_mean']:.4f} ± {s['acc_std']:.4f} (min {s['acc_min']:.4f}, max {s['acc_max']:.4f}); "
-        f"sample-weighted {s['acc_weighted']:.4f}; majority-label baseline {s['majority_acc_mean']:.4f}; "
-        f"clients per model {s['models_served']}; {results['seconds_per_round']:.2f} s/round"
-    )
+    lines = summary_lines(results)
+    if run_dir is not None:
+        from fedfew.runs import where_lines
+
+        lines += where_lines(run_dir)
+    for line in lines:  # whole lines (a path is never wrapped), no rich markup in paths
+        console.print(line, soft_wrap=True, markup=False, highlight=False)

@@ -24,6 +24,12 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _scheme(cfg: DictConfig) -> str:
+    """The label-split scheme in force: ``partition.name``, or ``partition.within`` for clustered."""
+    name = cfg.partition.name
+    return str(cfg.partition.get("within", "iid")) if name == "clustered" else str(name)
+
+
 @dataclass(frozen=True)
 class Rule:
     """key: dotted config key; allowed: human text; check: value -> bool; when: cfg -> bool."""
@@ -36,12 +42,17 @@ class Rule:
 
 RULES: list[Rule] = [
     Rule("seed", "integer >= 0", lambda v: _is_int(v) and v >= 0),
-    Rule("num_clients", "integer >= 1", lambda v: _is_int(v) and v >= 1),
+    Rule("num_clients", "integer >= 1 (null only with partition=natural)", lambda v: _is_int(v) and v >= 1,
+         lambda c: c.partition.name != "natural"),
+    Rule("num_clients", "partition=natural: null (every writer/centre found) or integer >= 1 (a cap)",
+         lambda v: v is None or (_is_int(v) and v >= 1), lambda c: c.partition.name == "natural"),
     Rule("rounds", "integer >= 1", lambda v: _is_int(v) and v >= 1),
     Rule("local_epochs", "integer >= 1", lambda v: _is_int(v) and v >= 1),
     Rule("eval_every", "integer >= 1", lambda v: _is_int(v) and v >= 1),
     Rule("participation", "number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1),
-    Rule("checkpoint_every", "integer >= 0 (0: only on SIGTERM/SIGUSR1)", lambda v: _is_int(v) and v >= 0),
+    Rule("checkpoint_every", "integer >= 0 (0: only on SIGTERM/SIGUSR1/Ctrl-C)", lambda v: _is_int(v) and v >= 0),
+    Rule("resume_extend_rounds", "true | false (true: a resume may raise rounds above the checkpoint's)",
+         lambda v: isinstance(v, bool)),
     Rule("clients_per_round", "null or integer >= 1", lambda v: v is None or (_is_int(v) and v >= 1)),
     Rule("optim.name", "sgd | adam | adamw", lambda v: v in ("sgd", "adam", "adamw")),
     Rule("optim.lr", "number > 0", lambda v: _is_number(v) and v > 0),
@@ -77,13 +88,25 @@ RULES: list[Rule] = [
     Rule("algorithm.estimate_every", "integer >= 1 (fedsoft)", lambda v: _is_int(v) and v >= 1,
          lambda c: "estimate_every" in c.algorithm),
     Rule("partition.alpha", "number > 0 (Dirichlet concentration)", lambda v: _is_number(v) and v > 0,
-         lambda c: c.partition.name == "dirichlet"),
+         lambda c: _scheme(c) == "dirichlet"),
     Rule("partition.min_size", "integer >= 2 (a client needs 1 train + 1 test sample)", lambda v: _is_int(v) and v >= 2,
-         lambda c: c.partition.name == "dirichlet"),
+         lambda c: _scheme(c) == "dirichlet"),
     Rule("partition.max_retries", "integer >= 1", lambda v: _is_int(v) and v >= 1,
-         lambda c: c.partition.name == "dirichlet"),
+         lambda c: _scheme(c) == "dirichlet"),
     Rule("partition.classes_per_client", "integer >= 1 (and <= the number of classes)",
-         lambda v: _is_int(v) and v >= 1, lambda c: c.partition.name == "pathological"),
+         lambda v: _is_int(v) and v >= 1, lambda c: _scheme(c) == "pathological"),
+    Rule("partition.groups", "integer >= 1 and <= num_clients (clustered: client groups)",
+         lambda v: _is_int(v) and v >= 1, lambda c: c.partition.name == "clustered"),
+    Rule("partition.group_transform", "rotate (images, groups <= 4) | permute_labels",
+         lambda v: v in ("rotate", "permute_labels"), lambda c: c.partition.name == "clustered"),
+    Rule("partition.group_data", "replicate | split (clustered)", lambda v: v in ("replicate", "split"),
+         lambda c: c.partition.name == "clustered"),
+    Rule("partition.within", "iid | dirichlet | pathological (clustered: label split inside a group)",
+         lambda v: v in ("iid", "dirichlet", "pathological"), lambda c: c.partition.name == "clustered"),
+    Rule("algorithm.mu_scale", "relative | reference (fedfew: units of mu)", lambda v: v in ("relative", "reference"),
+         lambda c: "mu_scale" in c.algorithm),
+    Rule("partition.client_sample", "first | random (natural: which groups become clients when num_clients caps them)",
+         lambda v: v in ("first", "random"), lambda c: c.partition.name == "natural"),
     Rule("partition.test_fraction", "number in (0, 1)", lambda v: _is_number(v) and 0 < v < 1),
     Rule("partition.val_fraction", "number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1),
     Rule("engine", "loop | vmap (vmap: FedFew only, SGD only)", lambda v: v in ("loop", "vmap")),
@@ -132,6 +155,21 @@ def validate_config(cfg: DictConfig) -> None:
             f"  algorithm.K={K} > num_clients={M}: more shared models than clients leaves models that no "
             "client can select; use K <= num_clients"
         )
+    if cfg.partition.name == "clustered":
+        G = _lookup(cfg, "partition.groups")
+        if _is_int(G) and _is_int(M) and G > M:
+            problems.append(f"  partition.groups={G} > num_clients={M}: every group needs a client; "
+                            "use partition.groups <= num_clients")
+        if _lookup(cfg, "partition.group_transform") == "rotate":
+            if _is_int(G) and G > 4:
+                problems.append(f"  partition.groups={G} with partition.group_transform=rotate: only 4 rotations "
+                                "(0/90/180/270 degrees) exist; use groups <= 4 or group_transform=permute_labels")
+            if _lookup(cfg, "dataset.kind") == "text":
+                problems.append(f"  partition.group_transform=rotate on {cfg.dataset.name} (text): rotations need "
+                                "images; use partition.group_transform=permute_labels")
+    if _lookup(cfg, "algorithm.name") == "oracle" and cfg.partition.name != "clustered":
+        problems.append(f"  algorithm=oracle with partition={cfg.partition.name}: the oracle trains one model per "
+                        "known client group; use partition=clustered")
     optimizer, engine = _lookup(cfg, "optim.name"), _lookup(cfg, "engine")
     if engine == "vmap" and optimizer not in (_MISSING, "sgd"):
         problems.append(f"  engine=vmap with optim.name={optimizer!r}: the vmap engine implements SGD only; "
@@ -156,6 +194,8 @@ def rules_markdown() -> str:
     lines += [f"| `{rule.key}` | {rule.allowed} |" for rule in RULES]
     lines.append("| `algorithm.K` vs `num_clients` | K <= M (a model no client can select is wasted) |")
     lines.append("| `algorithm.sigma` vs `algorithm.K` | sigma <= 1/K where both exist (fedsoft's importance floor) |")
+    lines.append("| `partition.groups` vs `num_clients` | groups <= M; rotate: groups <= 4 and image data |")
+    lines.append("| `algorithm=oracle` vs `partition` | the oracle needs partition=clustered |")
     lines.append("| `engine` vs `optim.name` | engine=vmap needs optim.name=sgd |")
     lines.append("| `optim.min_lr` vs `optim.lr` | min_lr <= lr (the cosine schedule anneals from lr down to min_lr) |")
     return "\n".join(lines)

@@ -51,10 +51,11 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from fedfew.callbacks import PER_MODEL_KEYS as TRAIN_PER_MODEL_KEYS
 from fedfew.callbacks import client_info, eval_scalars, train_scalars
 
 #: per-model vectors among the standard round logs
-PER_MODEL_KEYS = frozenset({"effective_step", "weight_per_model"})
+PER_MODEL_KEYS = frozenset({"effective_step", "weight_per_model", "weight_share", "effective_clients"})
 #: round-log keys that are not per-client columns of the round table
 NOT_CLIENT_KEYS = frozenset({"round", "participants", "round_time_s", "lr", "g"}) | PER_MODEL_KEYS
 TRAIN_NAMES = {"train_loss_mean": "train/loss_mean", "train_loss_best_mean": "train/loss_best_mean"}
@@ -95,13 +96,14 @@ def client_columns(logs: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 def per_model_scalars(logs: dict[str, Any], K: int) -> dict[str, float]:
-    """Per-model vectors other than ``effective_step`` (already in the round scalars), as
+    """Per-model vectors other than those already in the round scalars (``effective_step``,
+    ``weight_share``, ``effective_clients``), as
     ``<name>/<k>``: the known ones (:data:`PER_MODEL_KEYS`) and any 1-D tensor of length K
     that is not one row per participant."""
     P = len(logs.get("participants") or [])
     out: dict[str, float] = {}
     for name, value in logs.items():
-        if name == "effective_step" or not isinstance(value, torch.Tensor) or value.dim() != 1 or len(value) != K:
+        if name in TRAIN_PER_MODEL_KEYS or not isinstance(value, torch.Tensor) or value.dim() != 1 or len(value) != K:
             continue
         if name in PER_MODEL_KEYS or (len(value) != P and name not in ("alpha", "assignment")):
             out.update({f"{name}/{k}": float(v) for k, v in enumerate(value.tolist())})

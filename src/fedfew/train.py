@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +12,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from fedfew.checkpoint import load_checkpoint, resolve_resume
+from fedfew.checkpoint import check_resume_config, checkpoint_path, load_checkpoint, resolve_resume
 from fedfew.config import validate_config
+from fedfew.runs import register_resolvers
+
+register_resolvers()  # ${fedfew.run_suffix:...} in hydra.run.dir (run folder names)
 
 class SetupError(Exception):
     """A problem the user fixes (bad config value, missing data, impossible partition, unknown
@@ -23,6 +28,7 @@ def make_fabric(cfg: DictConfig, run_dir: Path):
     from lightning.fabric import Fabric
 
     from fedfew.callbacks import ConsoleReport, LoggerBridge, PlotFiles, ResultFiles
+    from fedfew.diagnostics import CollapseWatch
     from fedfew.loggers import build_loggers
     from fedfew.monitoring import WandbMonitor
     from fedfew.partition_report import PartitionReport
@@ -31,19 +37,62 @@ def make_fabric(cfg: DictConfig, run_dir: Path):
     return Fabric(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
         precision=t.precision, loggers=build_loggers(cfg.logger, run_dir),
-        callbacks=[ResultFiles(run_dir), PlotFiles(run_dir), WandbMonitor(), PartitionReport(run_dir), LoggerBridge(), ConsoleReport()],
+        callbacks=[CollapseWatch(), ResultFiles(run_dir), PlotFiles(run_dir), WandbMonitor(), PartitionReport(run_dir), LoggerBridge(), ConsoleReport()],
     )
 
 
+@dataclass
+class Preflight:
+    """What :func:`preflight` found: the checkpoint to resume from (path and content) and the
+    line to log when the resume extends ``rounds``."""
+
+    resume_from: Path | None = None
+    state: dict[str, Any] | None = None
+    note: str | None = None
+
+
+def preflight(cfg: DictConfig, run_dir: Path | None) -> Preflight:
+    """Every check of a run that needs no data: :func:`fedfew.config.validate_config`, the
+    dataset, model and algorithm names against their registries, and, when resuming, the
+    checkpoint's existence and its stored config against ``cfg``
+    (:func:`fedfew.checkpoint.check_resume_config`). ``make train`` runs it before loading
+    data, ``make slurm`` (:mod:`fedfew.check`) before ``sbatch``.
+
+    Args:
+        cfg: the composed run config.
+        run_dir: the run directory (for ``resume=auto``); ``None`` before a Slurm job exists,
+            when only an explicit checkpoint path is checked.
+    Raises:
+        ConfigError, ResumeError, FileNotFoundError, ValueError (unknown name): each a
+        problem the user fixes, named in the message.
+    """
+    validate_config(cfg)
+    from fedfew.algorithms import ALGORITHMS
+    from fedfew.data.datasets import DATASETS
+    from fedfew.models import MODELS
+
+    DATASETS.get(cfg.dataset.name)
+    MODELS.get(cfg.model.name)
+    ALGORITHMS.get(cfg.algorithm.name)
+    resume = cfg.get("resume")
+    if run_dir is None and resume == "auto":
+        return Preflight()  # the job's own run folder: nothing there yet
+    resume_from = resolve_resume(resume, run_dir)
+    if resume_from is None:
+        return Preflight()
+    state = load_checkpoint(resume_from)
+    return Preflight(resume_from, state, check_resume_config(state, cfg, resume_from))
+
+
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Validate, load the data, launch Fabric and train; returns the results dict.
+    """Check (:func:`preflight`), load the data, launch Fabric and train; returns the results dict.
 
     Raises:
-        SetupError: (from ConfigError, DataNotFoundError, PartitionError, an unknown name or a
-            bad checkpoint) before any training.
+        SetupError: (from ConfigError, DataNotFoundError, PartitionError, ResumeError, an
+            unknown name or a bad checkpoint) before any training.
     """
     try:
-        validate_config(cfg)
+        checked = preflight(cfg, run_dir)  # before any data is loaded
         import torch
 
         from fedfew.data.federated import build_federated_data
@@ -52,17 +101,31 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         if cfg.trainer.get("threads"):
             torch.set_num_threads(int(cfg.trainer.threads))
         data = build_federated_data(cfg)  # fails fast on missing files / impossible partitions
-        resume_from = resolve_resume(cfg.get("resume"), run_dir)
         fabric = make_fabric(cfg, run_dir)
         fabric.launch()
         sim = Simulation(cfg, fabric, run_dir, data=data)
-        if resume_from is not None:
-            sim.load_state_dict(load_checkpoint(resume_from))
+        if checked.state is not None:
+            sim.load_state_dict(checked.state)
             if fabric.global_rank == 0:
-                print(f"resumed from {resume_from} at round {sim.start_round}", flush=True)
+                print(f"resumed from {checked.resume_from} at round {sim.start_round}", flush=True)
+                if checked.note:
+                    print(checked.note, flush=True)
     except (ValueError, FileNotFoundError) as err:  # ConfigError, DataNotFoundError, PartitionError, ...
         raise SetupError(str(err)) from err
     return sim.fit()  # errors from here on are bugs or crashes: full traceback
+
+
+def _continue_command(run_dir: Path) -> str:
+    """The command that resumes this run: its own overrides, its folder and ``resume=auto``."""
+    import shlex
+
+    try:
+        task = list(HydraConfig.get().overrides.task)
+    except ValueError:  # not under Hydra
+        task = []
+    keep = [o for o in task if not o.lstrip("+~").startswith(("hydra.run.dir=", "resume="))]
+    return " ".join(["python -m fedfew.train", *map(shlex.quote, keep), shlex.quote(f"hydra.run.dir={run_dir}"),
+                     "resume=auto"])
 
 
 def _only_hydra_files(run_dir: Path) -> bool:
@@ -75,25 +138,64 @@ def _discard_if_unstarted(run_dir: Path, fresh: bool) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def _quiet_console() -> None:
+    """One copy of each message per run: Lightning's own stderr handler goes (Hydra's handlers
+    already print to stdout and <run_dir>/<job>.log), processes other than rank 0 log warnings
+    only (no second set of banners), and outside a Slurm allocation Lightning's warning that
+    `srun` exists but is not used is dropped (we launch the processes ourselves; inside an
+    allocation it stays)."""
+    import logging
+    import os
+    import warnings
+
+    import lightning  # noqa: F401  (adds its handler on import: remove it after)
+
+    if logging.getLogger().handlers:
+        for handler in list(logging.getLogger("lightning").handlers):
+            logging.getLogger("lightning").removeHandler(handler)
+    if any(os.environ.get(name, "0") not in ("", "0") for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")):
+        for handler in logging.getLogger().handlers:  # every logger reaches the console through these
+            handler.setLevel(logging.WARNING)
+    if "SLURM_JOB_ID" not in os.environ:
+        warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    _quiet_console()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     fresh = _only_hydra_files(run_dir)
     try:
         results = run(cfg, run_dir)
         if results.get("interrupted"):
-            print(f"stopped by signal {results['signal']} after round {results['round']}; checkpoint in "
-                  f"{run_dir / 'checkpoints'}; continue with: python -m fedfew.train <same overrides> "
-                  f"hydra.run.dir={run_dir} resume=auto", file=sys.stderr, flush=True)
-            sys.exit(128 + int(results["signal"] or 15))
+            signum = int(results["signal"] or signal.SIGTERM)
+            print(f"stopped by {signal.Signals(signum).name} after round {results['round']}; checkpoint "
+                  f"{checkpoint_path(run_dir)}; continue with: {_continue_command(run_dir)}", file=sys.stderr, flush=True)
+            sys.exit(128 + signum)
     except SetupError as err:
         _discard_if_unstarted(run_dir, fresh)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # a second Ctrl-C during a round, or Ctrl-C outside the round loop
+        _discard_if_unstarted(run_dir, fresh)
+        saved = checkpoint_path(run_dir)
+        where = (f"the last checkpoint is {saved}; continue with: {_continue_command(run_dir)}" if saved.is_file()
+                 else "no checkpoint was saved")
+        print(f"aborted by Ctrl-C; {where}", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
     except BaseException:
         _discard_if_unstarted(run_dir, fresh)
         raise
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """``python -m fedfew.train`` / ``fedfew-train``: reject keys that no config defines
+    (:mod:`fedfew.overrides`, exit 2), then run Hydra's :func:`main`."""
+    from fedfew.overrides import main_check
+
+    main_check(sys.argv[1:])
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -17,6 +17,7 @@ The hooks a method fills in, and nothing else:
 - ``client_update``: what a client does with the broadcast state (its local training);
 - ``end_round``: how the server aggregates what the clients sent;
 - ``candidates``: which model(s) a client is scored with;
+- ``model_assignment``: which server model a client counts as served by (default: its pick);
 - per-client state that persists between rounds (personal heads, personal models) goes
   through :meth:`Algorithm.save_client` / :meth:`Algorithm.load_client`, which keep it on
   the host (``ctx.host_state``), never on the device;
@@ -75,6 +76,11 @@ class Algorithm:
     #: rows that :meth:`client_update` returns, name -> shape of one row given K
     row_shapes: dict[str, Callable[[int], tuple[int, ...]]] = {}
 
+    #: whether :class:`fedfew.diagnostics.CollapseWatch` warns when a server model stops
+    #: serving clients (few-for-many methods), and the keys that help, named in the warning
+    watch_collapse: bool = False
+    collapse_hint: str = ""
+
     def __init__(self, cfg: DictConfig, ctx: Context) -> None:
         self.cfg = cfg
         self.ctx = ctx
@@ -101,6 +107,14 @@ class Algorithm:
     def candidates(self, client: ClientSplit) -> list[nn.Module]:
         """Models client ``client`` may be scored with (default: every server model)."""
         return list(self.ctx.module.models)
+
+    def model_assignment(self, client: ClientSplit, chosen: int) -> int:
+        """The server model client ``client`` is assigned to, given the index ``chosen`` of the
+        candidate it picked at evaluation (default: that index, i.e. k_i* when the candidates are
+        the server models). Methods scored with one model of their own override it (CFL: the
+        client's cluster; FedSoft: its largest importance weight). Used for ``models_served``
+        and ``assignment_ari``."""
+        return int(chosen)
 
     @classmethod
     def communication(cls, cfg: DictConfig, model: nn.Module) -> tuple[int, int]:

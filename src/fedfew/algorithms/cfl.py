@@ -176,6 +176,10 @@ class CFL(Averaging):
     def candidates(self, client: ClientSplit) -> list[nn.Module]:
         return [self.ctx.module.models[int(self.membership[client.id])]]
 
+    def model_assignment(self, client: ClientSplit, chosen: int) -> int:
+        """The slot of the client's cluster."""
+        return int(self.membership[client.id])
+
     def state_dict(self) -> dict[str, Any]:
         return {"membership": self.membership.clone()}
 

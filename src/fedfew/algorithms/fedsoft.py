@@ -112,6 +112,8 @@ class FedSoft(Averaging):
     """K centres; personal models with a u-weighted proximal term; importance-weighted averaging."""
 
     client_state = True
+    watch_collapse = True
+    collapse_hint = "Keys that help: algorithm.init=independent, a smaller algorithm.K"
 
     row_shapes = {"loss": lambda K: (1,), "importance": lambda K: (K,)}
 
@@ -167,6 +169,14 @@ class FedSoft(Averaging):
         u = rows["importance"].cpu()
         logs.update(w=u, assignment=u.argmax(dim=1))
         return logs
+
+    def model_assignment(self, client: ClientSplit, chosen: int) -> int:
+        """``score: centres``: the centre picked; ``personal``: the centre with the largest
+        importance weight u_ik (centre 0 for a client that never took part)."""
+        if self.score == "centres":
+            return int(chosen)
+        u = self.ctx.host_state.get(int(client.id), {}).get("importance")
+        return 0 if u is None else int(torch.as_tensor(u).argmax())
 
     def candidates(self, client: ClientSplit) -> list[nn.Module]:
         if self.score == "centres":

@@ -38,6 +38,10 @@ def assign(losses: torch.Tensor) -> torch.Tensor:
 class IFCA(Averaging):
     """K cluster models; each client trains the one with the lowest train loss."""
 
+    watch_collapse = True
+    collapse_hint = ("Keys that help: algorithm.init=independent (identical models send every client to model 0), "
+                     "a smaller algorithm.K")
+
     @staticmethod
     def num_models(cfg: DictConfig) -> int:
         return int(cfg.K)

@@ -39,6 +39,8 @@ class PooledDataset:
             partition; ``None`` when the dataset has none.
         class_names: optional human-readable class names (length ``num_classes``).
         name: dataset name (the config value).
+        image_shape: (H, W) when flat (N, H*W) inputs are images (digits: (8, 8)), so that
+            image transforms (``partition.group_transform=rotate``) apply; else ``None``.
     """
 
     targets: torch.Tensor
@@ -49,6 +51,7 @@ class PooledDataset:
     groups: torch.Tensor | None = None
     class_names: list[str] | None = None
     name: str = ""
+    image_shape: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.targets)
@@ -76,12 +79,14 @@ class ClientSplit:
         test: (n_test,) int64 held-out indices used for personalized accuracy.
         val: (n_val,) int64 indices used for model selection instead of ``train`` when
             a validation split is configured; empty otherwise.
+        group: the client's true group on ``partition=clustered`` (in ``[0, G)``), else None.
     """
 
     id: int
     train: np.ndarray
     test: np.ndarray
     val: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    group: int | None = None
 
     @property
     def selection(self) -> np.ndarray:

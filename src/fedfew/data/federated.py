@@ -33,6 +33,7 @@ from omegaconf import DictConfig
 from fedfew.data.base import FederatedData, PooledDataset, resolve_data_dir
 from fedfew.data.cache import TensorCache, cache_key, files_identity
 from fedfew.data.datasets import DATASETS
+from fedfew.data.groups import check_groups, make_groups
 from fedfew.data.images import ImageDataset, normalize
 from fedfew.data.partition import partition_clients, partition_hash
 from fedfew.seeding import derive_seed
@@ -113,7 +114,7 @@ def _check_classes(cfg: DictConfig, pooled: PooledDataset) -> None:
             f"dataset {cfg.dataset.name}: the files hold {pooled.num_classes} classes but dataset.num_classes="
             f"{expected}; check the data directory (wrong dataset?) or set dataset.num_classes"
         )
-    if pooled.groups is not None and cfg.partition.name != "natural":
+    if pooled.groups is not None and cfg.partition.name not in ("natural", "clustered"):
         warnings.warn(
             f"dataset {cfg.dataset.name} has a natural partition (one client per writer/centre) but "
             f"partition={cfg.partition.name}; use `partition=natural` for the standard setting",
@@ -137,18 +138,25 @@ def build_federated_data(cfg: DictConfig) -> FederatedData:
     start = time.perf_counter()
     data_dir = resolve_data_dir(cfg.data_dir)
     loader = DATASETS.get(cfg.dataset.name)
+    if cfg.partition.name == "clustered":
+        check_groups(cfg.partition, cfg.num_clients)  # before the (possibly slow) load
     pooled = loader(cfg.dataset, data_dir)
     _check_classes(cfg, pooled)
+    groups = None if pooled.groups is None else pooled.groups.numpy()
+    if cfg.partition.name == "clustered":  # each group's transformed copy (or share) of the data
+        pooled, groups = make_groups(pooled, cfg.partition, int(cfg.num_clients), partition_seed(cfg))
     loaded = time.perf_counter()
     targets = pooled.targets.numpy()
     clients = partition_clients(
         targets,
-        int(cfg.num_clients),
+        None if cfg.num_clients is None else int(cfg.num_clients),  # None: natural, every group
         cfg.partition,
         seed=partition_seed(cfg),
-        groups=None if pooled.groups is None else pooled.groups.numpy(),
+        groups=groups,
         official_test=None if pooled.official_test is None else pooled.official_test.numpy(),
     )
+    if cfg.partition.name == "natural" and pooled.groups is not None:
+        log.info("%s", natural_clients_line(pooled, clients, cfg))
     common = dict(targets=pooled.targets.long(), num_classes=pooled.num_classes, clients=clients,
                   partition_hash=partition_hash(clients), name=pooled.name)
     if pooled.texts is not None:
@@ -167,6 +175,26 @@ def build_federated_data(cfg: DictConfig) -> FederatedData:
              pooled.name, len(pooled), len(clients), tuple(data.inputs.shape), loaded - start,
              time.perf_counter() - loaded)
     return data
+
+
+def natural_clients_line(pooled: PooledDataset, clients: list, cfg: DictConfig) -> str:
+    """One line on a natural partition: groups (writers/centres) found, how many are clients and
+    which (all; the first N in sorted id order, named by the first and last; or the seeded sample,
+    every name listed)."""
+    groups, names = pooled.groups.numpy(), pooled.group_names or []
+    found = len(np.unique(groups))
+    first = [int(groups[np.concatenate([c.train, c.test, c.val])[0]]) for c in clients]  # each client's group
+    used = [names[g] if 0 <= g < len(names) else str(g) for g in first]
+    cap = "null" if cfg.num_clients is None else cfg.num_clients
+    head = f"{pooled.name}: natural partition, {found} groups (writers/centres) found, {len(used)} used as clients"
+    if len(used) == found:
+        return f"{head} (every group; num_clients={cap})"
+    how = str(cfg.partition.get("client_sample", None) or "first")
+    if how == "first":
+        return (f"{head} (num_clients={cap} caps them; partition.client_sample=first: the first "
+                f"{len(used)} in sorted id order, {used[0]} .. {used[-1]})")
+    return (f"{head} (num_clients={cap} caps them; partition.client_sample={how}, partition seed "
+            f"{partition_seed(cfg)}): {', '.join(used)}")
 
 
 def _texts_digest(texts: list[str]) -> str:

@@ -14,6 +14,10 @@ Entry point :func:`partition_clients` runs two stages:
      shards of (near-)equal size (McMahan et al., 2017, shard partition; made exact).
    * ``natural`` -- one client per natural group (writer, speaker, centre), as in LEAF
      (Caldas et al., 2018, "LEAF: A Benchmark for Federated Settings").
+   * ``clustered`` -- clients in G known groups, each group seeing the data through its own
+     transform (rotation or label permutation, :mod:`fedfew.data.groups`), the samples of a
+     group split among its clients by ``within`` (iid, dirichlet or pathological): IFCA's
+     rotated MNIST (Ghosh et al., 2020). Each ClientSplit then carries its ``group``.
 
 2. **Per-client split** into train / test (and optionally validation), stratified by label
    (see :func:`partition_clients` for the exact counting rule).
@@ -44,10 +48,14 @@ Documented rules (the ones a reader of a paper table needs to know):
   currently smallest client size (ties at random), classes processed in random order. So a
   class's shards differ by at most one sample, and no client collects all leftovers. With
   equal class sizes and K dividing M*s, client sizes differ by at most ``s``.
-* **natural with fewer clients.** Groups are sorted by id; client ``i`` is the ``i``-th
-  group. ``num_clients`` smaller than the number of groups keeps the first ``num_clients``
-  groups (sorted order) and leaves the other groups' samples unassigned; ``None`` or
-  ``<= 0`` means all groups; more clients than groups is an error.
+* **natural clients.** ``num_clients=None`` (``num_clients=null``, FEMNIST's default): one
+  client per group found, client ``i`` the ``i``-th group in sorted id order. An integer
+  ``num_clients`` >= 1 is a cap: with more groups than that, ``partition.client_sample``
+  chooses which groups become clients, ``first`` (default: the first ``num_clients`` in sorted
+  id order) or ``random`` (a uniform sample without replacement from the partition seed's
+  assignment stream), the chosen groups again in sorted id order, and the other groups'
+  samples stay unassigned. A cap above the number of groups is an error, as is
+  ``num_clients <= 0`` (the config rule: null or an integer >= 1).
 * **official test split.** ``keep_official_test=true`` with an ``official_test`` mask: the
   scheme is applied to the official-train and official-test samples separately with the same
   client structure (iid: each part split evenly; dirichlet: the same proportion matrix;
@@ -297,12 +305,13 @@ def partition_dirichlet(
         raise PartitionError(f"dirichlet max_retries must be >= 1, got {max_retries}")
     N = sum(len(p) for p in parts)
     need = max(min_size, plan.min_viable())
-    hint = "raise alpha, lower min_size or use fewer clients"
+    smallest = max(plan.min_viable(), 2)  # the least min_size the config allows and the splits need
     if M * need > N:
         raise PartitionError(
-            f"dirichlet partition impossible: M={M} clients x min_size={min_size} "
-            f"(effective minimum {need} samples per client) > N={N} samples, whatever "
-            f"alpha={alpha}; {hint}"
+            f"dirichlet partition impossible: M={M} clients x min_size={min_size} (effective minimum {need} "
+            f"samples per client) > N={N} samples, so no alpha can help; "
+            + _fixes(f"num_clients <= {N // need}" if N >= need else None,
+                     f"partition.min_size={smallest}" if smallest < min_size and M * smallest <= N else None)
         )
     classes = np.unique(targets[np.concatenate(parts)])
     C = len(classes)
@@ -324,7 +333,10 @@ def partition_dirichlet(
             f"one of M={M} clients at least min_size={min_size} samples (effective minimum "
             f"{need}{', plus >= 1 official-train and >= 1 official-test sample' if plan.official else ''}) "
             f"with alpha={alpha} (N={N} samples, {C} classes; best draw's smallest client had "
-            f"{best}); {hint}"
+            f"{best}); "
+            + _fixes(f"partition.alpha > {alpha} (more even client sizes)", f"num_clients < {M}",
+                     f"partition.min_size={smallest}" if smallest < min_size else None,
+                     f"partition.max_retries > {max_retries}")
         )
     owner = np.full(len(targets), -1, dtype=np.int64)
     for part, cnt in zip(parts, counts):
@@ -454,18 +466,25 @@ def partition_natural(
 ) -> tuple[np.ndarray, int]:
     """Natural partition (LEAF, Caldas et al., 2018): one client per group id.
 
-    Sorted group ids map to clients ``0, 1, ...``. ``num_clients`` None or <= 0 means all
-    groups; a smaller positive value keeps the first ``num_clients`` groups in sorted order
-    (the other groups' samples stay unassigned).
+    ``num_clients`` None: every group is a client, sorted group ids mapping to clients
+    ``0, 1, ...``. An integer is a cap: with G > num_clients groups, ``cfg.client_sample``
+    picks the groups that become clients, ``"first"`` (default; the first num_clients in
+    sorted id order) or ``"random"`` (a uniform sample without replacement drawn from ``rng``);
+    the picked groups map to clients in sorted id order and the others' samples stay
+    unassigned.
 
     Args:
         targets: (N,) int64 labels (only the size is used).
+        num_clients: None (every group) or an integer in [1, G].
+        cfg: ``client_sample`` (``"first"`` | ``"random"``, default ``"first"``).
+        rng: the partition's assignment stream (used by ``"random"`` only).
         groups: (N,) int64 group id per sample.
     Returns:
-        ``(owner, M)``: (N,) int64 client per sample (``-1`` for dropped groups) and M.
+        ``(owner, M)``: (N,) int64 client per sample (``-1`` for unused groups) and M.
     Raises:
-        PartitionError: no groups (the dataset has no natural partition); more clients
-            requested than groups exist.
+        PartitionError: no groups (the dataset has no natural partition); num_clients not None
+            and not an integer >= 1; more clients requested than groups exist; an unknown
+            ``client_sample``.
     """
     if groups is None:
         raise PartitionError(
@@ -473,18 +492,89 @@ def partition_natural(
             "this dataset has no natural partition; use partition=iid, dirichlet or pathological"
         )
     ids, rank = np.unique(groups, return_inverse=True)
-    G = len(ids)
-    if num_clients is None or int(num_clients) <= 0:
-        M = G
-    else:
-        M = int(num_clients)
-        if M > G:
-            raise PartitionError(
-                f"natural partition: num_clients={M} but the dataset has only {G} groups; "
-                f"set num_clients <= {G} (or <= 0 for all groups)"
-            )
     rank = rank.reshape(-1).astype(np.int64)
-    return np.where(rank < M, rank, -1), M
+    G = len(ids)
+    if num_clients is None:
+        return rank, G
+    if isinstance(num_clients, (bool, np.bool_)) or int(num_clients) != num_clients or int(num_clients) < 1:
+        raise PartitionError(
+            f"natural partition: num_clients={num_clients!r}; use num_clients=null for every group "
+            f"(writer/centre; {G} here) or an integer >= 1 to cap the number of clients"
+        )
+    M = int(num_clients)
+    if M > G:
+        raise PartitionError(
+            f"natural partition: num_clients={M} but the dataset has only {G} groups (writers/centres); "
+            f"use num_clients=null for all {G}, or num_clients <= {G}"
+        )
+    how = str(cfg.get("client_sample", None) or "first")
+    if how == "first":
+        chosen = np.arange(M)
+    elif how == "random":
+        chosen = np.sort(rng.choice(G, size=M, replace=False))
+    else:
+        raise PartitionError(f"partition.client_sample={how!r}; allowed: first, random")
+    client_of_rank = np.full(G, -1, dtype=np.int64)
+    client_of_rank[chosen] = np.arange(M)
+    return client_of_rank[rank], M
+
+
+def client_groups(num_clients: int, groups: int) -> np.ndarray:
+    """(M,) int64 group of each client: contiguous blocks of sizes floor or ceil of M / G
+    (clients 0..M/G-1 in group 0, ...), so groups differ in size by at most one client."""
+    return np.concatenate([np.full(len(b), g, dtype=np.int64)
+                           for g, b in enumerate(np.array_split(np.arange(num_clients), groups))])
+
+
+def partition_clustered(
+    targets: np.ndarray,
+    num_clients: int | None,
+    cfg: Mapping[str, Any],
+    rng: np.random.Generator,
+    parts: list[np.ndarray],
+    groups: np.ndarray | None = None,
+    plan: "_Plan | None" = None,
+) -> tuple[np.ndarray, int, np.ndarray]:
+    """Clients in G known groups (``partition=clustered``; IFCA's rotated-MNIST construction).
+
+    Client i belongs to group :func:`client_groups`\ (M, G)[i]; the clients of group g split the
+    samples of group g (``groups == g``, made by :func:`fedfew.data.groups.make_groups`, which
+    also applies each group's transform) with the scheme ``cfg.within`` (iid, dirichlet or
+    pathological, with that scheme's keys). Each sample goes to a client of its own group.
+
+    Args:
+        targets: (N,) int64 labels (after the groups' label permutations).
+        groups: (N,) int64 group of each sample, values 0..G-1.
+        cfg: ``groups`` (G), ``within`` (default iid) and the within-scheme's keys.
+    Returns:
+        ``(owner, M, client_group)``: (N,) client per sample, M, and (M,) group per client.
+    Raises:
+        PartitionError: no sample groups, G > M, an unknown ``within`` scheme, or the within
+            scheme's own errors (message prefixed with the group).
+    """
+    M = _require_clients(num_clients)
+    if groups is None:
+        raise PartitionError("partition=clustered needs each sample's group (built by fedfew.data.groups.make_groups)")
+    G = int(cfg.get("groups", 0) or 0)
+    if not 1 <= G <= M:
+        raise PartitionError(f"partition.groups={G} must be between 1 and num_clients={M}")
+    within = str(cfg.get("within", "iid"))
+    if within not in ("iid", "dirichlet", "pathological"):
+        raise PartitionError(f"partition.within={within!r}; allowed: iid, dirichlet, pathological")
+    scheme = PARTITIONS[within]
+    client_group = client_groups(M, G)
+    owner = np.full(len(targets), -1, dtype=np.int64)
+    for g in range(G):
+        members = np.flatnonzero(client_group == g)
+        in_group = [p[groups[p] == g] for p in parts]
+        try:
+            sub, _ = scheme(targets, len(members), cfg, rng, in_group, None, plan)
+        except PartitionError as err:
+            raise PartitionError(f"partition=clustered, group {g} ({len(members)} clients, "
+                                 f"{sum(len(p) for p in in_group)} samples): {err}") from err
+        mine = np.concatenate(in_group)
+        owner[mine] = np.where(sub[mine] >= 0, members[np.maximum(sub[mine], 0)], -1)
+    return owner, M, client_group
 
 
 PARTITIONS: dict[str, Callable[..., tuple[np.ndarray, int]]] = {
@@ -492,6 +582,7 @@ PARTITIONS: dict[str, Callable[..., tuple[np.ndarray, int]]] = {
     "dirichlet": partition_dirichlet,
     "pathological": partition_pathological,
     "natural": partition_natural,
+    "clustered": partition_clustered,
 }
 
 
@@ -516,13 +607,14 @@ def partition_clients(
 
     Args:
         targets: (N,) integer labels (numpy array or CPU tensor), values >= 0.
-        num_clients: M >= 1 (``natural``: None or <= 0 means one client per group).
+        num_clients: M >= 1 (``natural``: None means one client per group, an integer caps M).
         cfg: mapping / DictConfig with ``name`` (a key of :data:`PARTITIONS`) and the keys
             ``alpha``, ``min_size``, ``max_retries`` (dirichlet), ``classes_per_client``
             (pathological), ``test_fraction`` (default 0.25), ``val_fraction`` (default 0.0,
             a fraction of the client's train part), ``keep_official_test`` (default false).
         seed: dedicated partition seed (int >= 0); same seed -> identical partition.
-        groups: (N,) natural group id per sample (required by ``natural``).
+        groups: (N,) natural group id per sample (required by ``natural``), or the data group of
+            each sample (required by ``clustered``).
         official_test: (N,) bool, True for the dataset's official test samples.
 
     Returns:
@@ -592,7 +684,8 @@ def partition_clients(
     parts = [all_idx[~official_test], all_idx[official_test]] if official else [all_idx]
     if N == 0:
         raise PartitionError("cannot partition an empty dataset")
-    owner, M = PARTITIONS[name](targets, num_clients, cfg, assign_rng, parts, groups, plan)
+    owner, M, *rest = PARTITIONS[name](targets, num_clients, cfg, assign_rng, parts, groups, plan)
+    client_group = rest[0] if rest else None  # clustered: the true group of each client
 
     # ---- per-client split: 0 train, 1 test, 2 val ----------------------------------
     assigned = np.flatnonzero(owner >= 0)
@@ -615,8 +708,18 @@ def partition_clients(
     key = own * 3 + split[assigned]
     order = np.argsort(key, kind="stable")  # assigned is ascending -> indices stay sorted
     pieces = np.split(assigned[order], np.cumsum(np.bincount(key, minlength=3 * M))[:-1])
-    return [ClientSplit(id=i, train=pieces[3 * i], test=pieces[3 * i + 1], val=pieces[3 * i + 2])
+    return [ClientSplit(id=i, train=pieces[3 * i], test=pieces[3 * i + 1], val=pieces[3 * i + 2],
+                        group=None if client_group is None else int(client_group[i]))
             for i in range(M)]
+
+
+def _fixes(*options: str | None) -> str:
+    """``"fix: a, b or c"`` from the options that apply (None: left out); every partition error
+    ends with the changes that can make it succeed, named as config overrides."""
+    kept = [o for o in options if o]
+    if not kept:
+        return "fix: use a larger dataset"
+    return "fix: " + (kept[0] if len(kept) == 1 else ", ".join(kept[:-1]) + " or " + kept[-1])
 
 
 def _check_viable(plan: _Plan, sizes: np.ndarray, name: str, M: int) -> None:
@@ -630,10 +733,15 @@ def _check_viable(plan: _Plan, sizes: np.ndarray, name: str, M: int) -> None:
     else:
         got = f"{int(sizes[0, i])} sample(s) (test_fraction={plan.test_fraction}, val_fraction={plan.val_fraction})"
     more = f" ({len(bad)} clients fail, first ones: {bad[:10].tolist()})" if len(bad) > 1 else ""
+    # fewer clients leave more samples to each; dropping the validation split helps a client
+    # with >= 2 samples (then 1 train + 1 test always fit); nothing else can
+    total = int(sizes.sum())
+    fewer = f"num_clients < {M}" + (f" (at most {total // plan.min_viable()} can get {plan.min_viable()} samples each)"
+                                    if not plan.official else "")
+    no_val = (plan.val_fraction > 0 and not plan.official and bool((sizes[0, bad] >= 2).any()))
     raise PartitionError(
-        f"{name} partition: client {i} has {got}; every client needs at least {need}{more}. "
-        f"Use fewer clients (num_clients={M}), a less skewed partition (larger alpha / "
-        f"min_size, or iid), or a different test_fraction/val_fraction."
+        f"{name} partition: client {i} has {got}; every client needs at least {need}{more}; "
+        + _fixes(fewer, "partition.val_fraction=0" if no_val else None)
     )
 
 

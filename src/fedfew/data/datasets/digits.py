@@ -12,7 +12,8 @@ from fedfew.data.datasets import DATASETS
 
 @DATASETS.register("digits")
 def load(cfg, data_dir: Path) -> PooledDataset:
-    """All 1,797 digits as (N, 64) float32 in [0, 1] (pixel / 16) with int64 labels 0..9.
+    """All 1,797 digits as (N, 64) float32 in [0, 1] (pixel / 16, row-major 8x8 images) with
+    int64 labels 0..9.
 
     ``data_dir`` is unused (the data ships with scikit-learn).
     """
@@ -26,4 +27,5 @@ def load(cfg, data_dir: Path) -> PooledDataset:
         num_classes=10,
         class_names=[str(c) for c in range(10)],
         name="digits",
+        image_shape=(8, 8),
     )

@@ -12,21 +12,34 @@ SHARED_DATA := $(abspath ../shared/data)
 TEST_DATA_DIR := $(or $(DATA_DIR),$(FEDFEW_DATA_DIR),$(wildcard $(SHARED_DATA)))
 DATA_ARG := $(if $(DATA_DIR),data_dir=$(abspath $(DATA_DIR)),)
 
-.PHONY: install train test compare bench slurm slurm-up slurm-down clean help
+.PHONY: install train test compare bench slurm slurm-up slurm-down clean help runs notebook
 
 help:
-	@echo "make install | train DATASET=<name> [DATA_DIR=<dir>] [ARGS='<hydra overrides>'] | test"
+	@echo "make install | train DATASET=<name> [DATA_DIR=<dir>] [ARGS='<hydra overrides>'] | test | runs [ROOT=<dir>] | notebook RUN=<run dir>"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -e '.[test]'
+	$(BIN)/python -m pip install -e '.[test,notebook]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
 train: $(STAMP)
 	$(BIN)/python -m fedfew.train dataset=$(DATASET) $(DATA_ARG) $(ARGS)
+
+# runs: past runs, newest first, with their headline figures (ROOT: a folder to search; default
+# $FEDFEW_OUTPUT_DIR, else outputs and multirun)
+ROOT ?=
+runs: $(STAMP)
+	@$(BIN)/python -m fedfew.runs $(ROOT)
+
+# notebook: execute notebooks/analysis.ipynb on a run (or a folder of runs) -> <RUN>/analysis.html
+#   make notebook RUN=outputs/digits/fedfew/<time>
+RUN ?=
+notebook: $(STAMP)
+	@test -n "$(RUN)" || { echo "usage: make notebook RUN=<run folder or folder of runs> (make runs lists them)"; exit 2; }
+	@$(BIN)/python -m fedfew.notebook $(RUN)
 
 test: $(STAMP)
 	FEDFEW_DATA_DIR=$(TEST_DATA_DIR) WANDB_MODE=$${WANDB_MODE:-offline} WANDB_SILENT=true \

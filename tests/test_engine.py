@@ -68,7 +68,7 @@ def test_vmap_round_equals_loop_round_mlp(tmp_path, cpu_fabric, loss_source, eng
         cfg = compose_config("num_clients=4", "algorithm.K=3", "local_epochs=2", "dataset.batch_size=64",
                              "optim.lr=0.1", "optim.momentum=0.5", "optim.weight_decay=0.01", "logger=none",
                              f"algorithm.loss_source={loss_source}", f"engine={engine}",
-                             *([f"+engine_clients={chunk}"] if chunk else []))
+                             *([f"engine_clients={chunk}"] if chunk else []))
         sim = Simulation(cfg, cpu_fabric, tmp_path)
         logs = [sim.run_round(r) for r in (1, 2)]
         out[engine, chunk] = logs, server_flat(sim.module)

@@ -74,11 +74,30 @@ def test_notebook_on_a_folder_of_runs(sweep):
 
 
 @pytest.mark.slow
-def test_notebook_on_one_run(sweep):
-    nb = execute(sweep / "0")
+def test_notebook_on_one_run_as_html(sweep):
+    """`make notebook RUN=<dir>` (python -m fedfew.notebook): the executed notebook as HTML in
+    the run folder, its path printed."""
+    from fedfew.notebook import render
+
+    run = sweep / "0"
+    path, nb = render(run)
+    assert path == run / "analysis.html"
     assert not [o for o in outputs(nb) if o.get("output_type") == "error"]
     text = text_of(nb)
-    res = json.loads((sweep / "0" / "results.json").read_text())
+    res = json.loads((run / "results.json").read_text())
     assert "1 run(s)" in text and f"{res['summary']['acc_mean']:.4f}" in text
     # curves, accuracy figure, distributions, client accuracy, alpha, assignment, 2 w heatmaps, g / step
     assert sum("image/png" in o.get("data", {}) for o in outputs(nb)) == 9
+    html = path.read_text()
+    assert html.startswith("<!DOCTYPE html>") and f"{res['summary']['acc_mean']:.4f}" in html
+    assert html.count('src="data:image/png;base64,') == 9  # the pictures are inside the file
+
+
+def test_notebook_command_refuses_a_folder_without_finished_runs(tmp_path):
+    (tmp_path / "running").mkdir()
+    (tmp_path / "running" / "metrics.csv").write_text("round\n1\n")
+    for target, expected in ((tmp_path / "missing", "is not a folder"), (tmp_path, "no finished run under")):
+        proc = subprocess.run([sys.executable, "-m", "fedfew.notebook", str(target)], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 2 and proc.stderr.startswith("error: ") and expected in proc.stderr
+    assert not list(tmp_path.rglob("*.html"))

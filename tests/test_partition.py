@@ -103,11 +103,17 @@ def test_dirichlet_properties(class_sizes, M, alpha, min_size, seed):
     t0 = time.perf_counter()
     try:
         clients = partition_clients(targets, M, cfg, seed)
-    except PartitionError as e:  # bounded retries: always an error naming alpha, M, min_size
+    except PartitionError as e:  # bounded retries: always an error naming M, min_size and fixes that can work
         event("dirichlet: PartitionError")
         msg = str(e)
-        assert f"alpha={float(alpha)}" in msg and f"M={M}" in msg and f"min_size={min_size}" in msg
-        assert "raise alpha" in msg
+        assert f"M={M}" in msg and f"min_size={min_size}" in msg and "; fix: " in msg
+        if M * min_size > N:  # too few samples for M clients: alpha cannot help, fewer clients can
+            assert "no alpha can help" in msg and "partition.alpha" not in msg
+            assert (f"num_clients <= {N // min_size}" in msg) == (N >= min_size)
+            assert ("partition.min_size=2" in msg) == (min_size > 2 and 2 * M <= N)
+        else:  # unlucky draws: a larger alpha, fewer clients or more retries can help
+            assert f"alpha={float(alpha)}" in msg and f"partition.alpha > {float(alpha)}" in msg
+            assert f"num_clients < {M}" in msg and "partition.max_retries > 100" in msg
         assert time.perf_counter() - t0 < 5
         return
     event(f"dirichlet: ok, alpha {'< 0.1' if alpha < 0.1 else '>= 0.1'}, M {'> 100' if M > 100 else '<= 100'}")
@@ -132,7 +138,7 @@ def test_dirichlet_retry_exhaustion_names_alpha_m_min_size_and_does_not_hang():
         partition_clients(targets, 1000, {"name": "dirichlet", "alpha": 0.01, "min_size": 10}, seed=0)
     assert time.perf_counter() - t0 < 5
     msg = str(info.value)
-    for part in ("alpha=0.01", "M=1000", "min_size=10", "max_retries=100", "raise alpha", "fewer clients"):
+    for part in ("alpha=0.01", "M=1000", "min_size=10", "max_retries=100", "partition.alpha > 0.01", "num_clients < 1000"):
         assert part in msg
 
 
@@ -373,7 +379,7 @@ def test_split_counts_and_stratification(class_sizes, f, vf, seed):
 
 def test_too_small_client_names_the_client():
     targets = make_targets([5, 5])
-    with pytest.raises(PartitionError, match=r"client 0 has 1 sample\(s\).*fewer clients"):
+    with pytest.raises(PartitionError, match=r"client 0 has 1 sample\(s\).*fix: num_clients < 10 \(at most 5 can get 2"):
         partition_clients(targets, 10, {"name": "iid"}, seed=0)
 
 

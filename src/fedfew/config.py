@@ -110,6 +110,8 @@ RULES: list[Rule] = [
     Rule("partition.test_fraction", "number in (0, 1)", lambda v: _is_number(v) and 0 < v < 1),
     Rule("partition.val_fraction", "number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1),
     Rule("engine", "loop | vmap (vmap: FedFew only, SGD only)", lambda v: v in ("loop", "vmap")),
+    Rule("engine_clients", "auto or integer >= 1 (vmap: clients trained together)",
+         lambda v: v == "auto" or (_is_int(v) and v >= 1)),
     Rule("compile", "false | true | a torch.compile backend name (e.g. aot_eager)",
          lambda v: isinstance(v, bool) or (isinstance(v, str) and v != "")),
     Rule("trainer.devices", "integer >= 1 or 'auto'", lambda v: v == "auto" or (_is_int(v) and v >= 1)),

@@ -6,11 +6,14 @@ this module never changes the global matplotlib backend (the analysis notebook u
 functions inline). :func:`write_plots` saves them into ``<run_dir>/plots``:
 
     accuracy.png          client-mean accuracy (band: +- std), min, max, sample-weighted,
-                          majority-label baseline, over the evaluation rounds
+                          majority-label baseline, over the evaluation rounds (before two
+                          evaluations: the training loss per round)
     alpha.png             alpha_i over rounds: one line per client (up to 30) and a
                           clients x rounds image
-    assignment.png        model assignment argmax_k w_ik (or the algorithm's assignment) per
-                          client and round, and how many clients each model serves
+    assignment.png        model assignment during training, argmax_k w_ik (or the algorithm's
+                          assignment) per client and round, beside the final selection that
+                          scores each client (argmin_k eval loss), and how many clients each
+                          model serves (legends: only the models in use)
     w_round_<t>.png       the M x K heatmap of w at chosen rounds (default: first, middle, last)
     loss_round_<t>.png    the M x K loss matrix L at the same rounds
     client_accuracy.png   distribution of per-client accuracy at the last evaluation, and
@@ -102,11 +105,54 @@ def _integer_axes(*axes, x: bool = True, y: bool = False) -> None:
             ax.yaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def accuracy_figure(history: dict[str, Any]) -> Figure | None:
-    """Personalized accuracy over the evaluation rounds."""
-    evals = history.get("evaluations") or []
-    if not evals:
+def training_loss(history: dict[str, Any]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(rounds R, {label: (R,) values}) of the training loss per round: from the logged loss
+    matrix L (participants x models), its mean over participants and models
+    (``train_loss_mean``) and the participants' mean of min_k L_ik (``train_loss_best_mean``);
+    without L, FedFew's objective g. Empty when a run logs neither."""
+    recs = rounds_with(history, "loss")
+    if recs:
+        mats = [np.asarray(r["loss"], dtype=float).reshape(len(np.atleast_1d(r["loss"])), -1) for r in recs]
+        return np.array([r["round"] for r in recs], dtype=int), {
+            "mean loss (all clients and models)": np.array([np.nanmean(m) for m in mats]),
+            "best model's loss (client mean)": np.array([np.nanmean(np.nanmin(m, axis=1)) for m in mats]),
+        }
+    recs = rounds_with(history, "g")
+    if recs:
+        return np.array([r["round"] for r in recs], dtype=int), {"g (STCH-Set objective)": np.array([r["g"] for r in recs], dtype=float)}
+    return np.array([], dtype=int), {}
+
+
+def _loss_figure(history: dict[str, Any], evals: list[dict[str, Any]]) -> Figure | None:
+    """The training loss per round, standing in for the accuracy curve before two evaluations."""
+    rounds, series = training_loss(history)
+    if not len(rounds):
         return None
+    fig = _figure(8, 4)
+    ax = fig.add_subplot()
+    marker = "o" if len(rounds) <= 30 else None
+    for label, values in series.items():
+        ax.plot(rounds, values, marker=marker, label=label)
+    note = "; ".join(f"round {e['round']}: client-mean acc {e['summary']['acc_mean']:.4f}" for e in evals
+                     if e.get("summary", {}).get("acc_mean") is not None)
+    ax.set(xlabel="round", ylabel="training loss")
+    ax.set_title(f"{history.get('algorithm', '')} on {history.get('dataset', '')}: training loss\n"
+                 f"(accuracy curve from two evaluations on{'; ' + note if note else ''})", fontsize="medium")
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
+    ax.grid(alpha=0.3)
+    _integer_axes(ax)
+    return fig
+
+
+def accuracy_figure(history: dict[str, Any]) -> Figure | None:
+    """Personalized accuracy over the evaluation rounds; before two evaluations (one point is
+    no curve), the training loss per round instead (:func:`training_loss`), with the
+    evaluation's accuracy in the title."""
+    evals = history.get("evaluations") or []
+    if len(evals) < 2:
+        fig = _loss_figure(history, evals)
+        if fig is not None or not evals:
+            return fig
     x = np.array([e["round"] for e in evals])
     s = {k: np.array([e["summary"].get(k, np.nan) for e in evals], dtype=float)
          for k in ("acc_mean", "acc_std", "acc_min", "acc_max", "acc_weighted", "majority_acc_mean")}
@@ -188,28 +234,72 @@ def _rect(k: int, i: int):
     return Rectangle((k - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.2)
 
 
+def final_selection(history: dict[str, Any]) -> tuple[int | None, np.ndarray | None]:
+    """(round, (M,) model per client) of the last evaluation that recorded the models chosen
+    for scoring (argmin_k of the eval-mode loss on the client's selection split), or
+    ``(None, None)``."""
+    for e in reversed(history.get("evaluations") or []):
+        if e.get("model") is not None:
+            return int(e["round"]), np.asarray(e["model"], dtype=int)
+    return None, None
+
+
+def models_in_use(history: dict[str, Any]) -> list[int]:
+    """Models that some client was assigned to: in a round's assignment during training or in
+    the final selection."""
+    _, assign = per_client_matrix(history, "assignment")
+    used = set(np.unique(assign[~np.isnan(assign)]).astype(int).tolist()) if assign.size else set()
+    _, final = final_selection(history)
+    if final is not None:
+        used |= set(final.tolist())
+    return sorted(used)
+
+
 def assignment_figure(history: dict[str, Any]) -> Figure | None:
-    """Model assignment per client over rounds and the number of clients per model."""
+    """Model assignment per client during training (argmax_k w_ik, or the algorithm's own
+    assignment when it logs no w, e.g. IFCA's argmin of the training loss) over rounds,
+    beside the final selection that scores each client (argmin_k eval loss at the last
+    evaluation; the two can differ), and the clients per model. Legends list only the models
+    in use (:func:`models_in_use`)."""
     rounds, assign = per_client_matrix(history, "assignment")
     if not len(rounds):
         return None
     K = int(history.get("K") or (np.nanmax(assign) + 1))
     M = assign.shape[1]
-    fig = _figure(11, 4)
-    ax_img, ax_count = fig.subplots(1, 2, width_ratios=[1.2, 1])
+    final_round, final = final_selection(history)
+    used = models_in_use(history)
+    fig = _figure(12, 4.2)
+    if final is not None:
+        ax_img, ax_final, ax_count = fig.subplots(1, 3, width_ratios=[1.2, 0.12, 1])
+    else:
+        (ax_img, ax_count), ax_final = fig.subplots(1, 2, width_ratios=[1.2, 1]), None
     from matplotlib.colors import BoundaryNorm, ListedColormap
     import matplotlib as mpl
 
     colors = mpl.colormaps["tab10" if K <= 10 else "tab20"].colors[:K]
     cmap, norm = ListedColormap(colors), BoundaryNorm(np.arange(-0.5, K + 0.5), K)
-    im = ax_img.imshow(assign.T, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
-                       extent=(rounds[0] - 0.5, rounds[-1] + 0.5, M - 0.5, -0.5))
-    fig.colorbar(im, ax=ax_img, ticks=range(K), label="model")
-    ax_img.set(xlabel="round", ylabel="client", title="assignment (clients x rounds)")
-    for k in range(K):
+    # colours: model k in tab10's k-th colour, keyed by the legend of the counts (models in use only)
+    ax_img.imshow(assign.T, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
+                  extent=(rounds[0] - 0.5, rounds[-1] + 0.5, M - 0.5, -0.5))
+    during = "argmax_k w_ik" if rounds_with(history, "w") else f"{history.get('algorithm', 'the algorithm')}'s assignment"
+    ax_img.set(xlabel="round", ylabel="client", title=f"during training: {during}")
+    if ax_final is not None:
+        ax_final.imshow(final[:, None], aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
+                        extent=(-0.5, 0.5, M - 0.5, -0.5))
+        ax_final.set_xticks([])
+        ax_final.set_yticks([])
+        ax_final.set_title(f"final\nselection\n(round {final_round})", fontsize="small")
+        ax_final.set_xlabel("argmin_k\neval loss", fontsize="x-small")
+    for k in used:
         ax_count.plot(rounds, np.sum(assign == k, axis=1), color=colors[k], label=f"model {k}",
                       marker="o" if len(rounds) <= 20 else None, markersize=3)
-    ax_count.set(xlabel="round", ylabel="clients served", title="clients per model")
+        if final is not None:
+            ax_count.plot([final_round], [int(np.sum(final == k))], color=colors[k], marker="*", markersize=12,
+                          linestyle="none")
+    if final is not None:
+        ax_count.plot([], [], color="grey", marker="*", markersize=10, linestyle="none",
+                      label=f"final selection (round {final_round})")
+    ax_count.set(xlabel="round", ylabel="clients", title=f"clients per model (lines: {during})")
     ax_count.legend(fontsize="small")
     ax_count.grid(alpha=0.3)
     _integer_axes(ax_img, ax_count, y=True)
@@ -241,7 +331,7 @@ def client_accuracy_figure(history: dict[str, Any]) -> Figure | None:
         ax_bar.set_xticks(range(len(acc)), [str(i) for i in order], fontsize=7)
     from matplotlib.patches import Patch
 
-    ax_bar.legend(handles=[Patch(color=colors[k % len(colors)], label=f"model {k}") for k in range(K)],
+    ax_bar.legend(handles=[Patch(color=colors[k % len(colors)], label=f"model {k}") for k in np.unique(model).tolist()],
                   fontsize="small", loc="upper left")
     ax_bar.set(xlabel="client (sorted by accuracy)", ylabel="test accuracy", ylim=(0, 1.02),
                title="accuracy per client, coloured by chosen model")

@@ -309,7 +309,7 @@ def partition_dirichlet(
     if M * need > N:
         raise PartitionError(
             f"dirichlet partition impossible: M={M} clients x min_size={min_size} (effective minimum {need} "
-            f"samples per client) > N={N} samples, so no alpha can help; "
+            f"samples per client) > N={N} samples, so no alpha can help (alpha={alpha}); "
             + _fixes(f"num_clients <= {N // need}" if N >= need else None,
                      f"partition.min_size={smallest}" if smallest < min_size and M * smallest <= N else None)
         )

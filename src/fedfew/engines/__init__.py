@@ -11,8 +11,8 @@ One module per engine; the module name is the config value (``engine=loop`` ->
   step on the stacked parameters). See :mod:`fedfew.engines.vmap` for its RNG scheme.
 
 FedFew selects its engine with the top-level config key ``engine``; ``compile`` (false | true |
-a backend name) wraps the local step in ``torch.compile``; the optional key ``engine_clients``
-(``+engine_clients=N`` on the command line; default ``auto``: one client at a time on the CPU,
+a backend name) wraps the local step in ``torch.compile``; the key ``engine_clients``
+(``engine_clients=N`` on the command line; default ``auto``: one client at a time on the CPU,
 as many as fit in a share of the free memory on a GPU) caps the clients the vmap engine trains
 together. With several processes, chunks of several clients need the round loop's list of the
 process's clients (``Context.my_clients``); without it each process trains one client at a time.

@@ -1,0 +1,242 @@
+"""Command-line keys that no config defines: our own error, before Hydra's and before any compute.
+
+Hydra answers an unknown key without a prefix (``mu=-1``) with "To append to your config use
++mu=-1", and a run started that way trains with the key silently ignored; so does any
+``+<key>=...`` that no config defines (a typo such as ``+algorithm.mu_prox=0.1`` with
+``algorithm=fedfew``). :func:`check_overrides` composes the config with the command line's
+group choices only (``dataset=``, ``algorithm=``, ...; every combination of a multirun's group
+sweeps) and rejects every key override, with or without ``+``, whose key is not in it, naming
+the closest valid key (:mod:`difflib` on the dotted key and on its last part, so ``mu`` ->
+``algorithm.mu``) and the options of the group that do define it.
+
+Escape, for a key that a user really means to add: ``++key=value`` (Hydra's force-add: add the
+key, or set it where it exists). fedfew reads only the keys its configs define, so such a key
+is recorded in the run's config but changes nothing unless code reads it; ``make compare``
+uses ``++algorithm.K=5`` this way to give every method the same override.
+
+Overrides of ``hydra.*``, deletions (``~key``) and group choices are left to Hydra, whose
+messages for those are accurate. :func:`main_check` is what ``python -m fedfew.train`` runs on
+its arguments before Hydra starts.
+"""
+from __future__ import annotations
+
+import difflib
+import itertools
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+#: the configs of ``python -m fedfew.train`` (conf/, linked into the package)
+CONFIG_DIR = Path(__file__).resolve().parent / "conf"
+#: a suggestion scoring below this (see :func:`closest_key`) is called "nearest", not "closest"
+SIMILAR = 0.6
+#: at most this many combinations of swept groups are composed (beyond: no check)
+MAX_COMBINATIONS = 32
+
+
+class UnknownKeyError(ValueError):
+    """Command-line keys that no config defines; the message names each and its closest valid key."""
+
+
+def config_keys(cfg: Any, prefix: str = "") -> list[str]:
+    """Every dotted key of a leaf of ``cfg`` (a value, not a section; ``hydra`` excluded), unresolved."""
+    out: list[str] = []
+    for key in cfg.keys():
+        if not prefix and key == "hydra":
+            continue
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig) and not node._is_none() and not node._is_interpolation():
+            out += config_keys(node, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def has_key(cfg: Any, key: str) -> bool:
+    """Whether the dotted ``key`` exists in ``cfg`` (without resolving interpolations)."""
+    node = cfg
+    for part in key.split("."):
+        if isinstance(node, DictConfig) and part in node:
+            node = node._get_node(part)
+        elif isinstance(node, ListConfig) and part.lstrip("-").isdigit() and -len(node) <= int(part) < len(node):
+            node = node._get_node(int(part))
+        else:
+            return False
+    return True
+
+
+def closest_key(key: str, candidates: Iterable[str]) -> tuple[str | None, float]:
+    """The candidate most like ``key`` and its score in [0, 1], comparing last parts (what a
+    user misspells or leaves out: ``mu`` -> ``algorithm.mu``): an equal last part scores 1; a
+    last part that is one of the other's ``_``-separated words 0.8 (``mu_prox`` -> ``mu``);
+    else :class:`difflib.SequenceMatcher`'s ratio (``round`` -> ``rounds``: 0.91). Ties go to a
+    candidate in the same section, then to the shorter key. ``(None, 0.0)`` without candidates.
+    """
+    parent, _, last = key.lower().rpartition(".")
+    words = set(last.split("_"))
+    best, best_rank = None, (-1.0, False, 0)
+    for cand in candidates:
+        cand_parent, _, cand_last = cand.lower().rpartition(".")
+        if cand_last == last:
+            score = 1.0
+        elif cand_last in words or last in set(cand_last.split("_")):
+            score = 0.8
+        else:
+            score = difflib.SequenceMatcher(None, last, cand_last).ratio()
+        rank = (score, cand_parent == parent, -len(cand))
+        if rank > best_rank:
+            best, best_rank = cand, rank
+    return best, max(best_rank[0], 0.0)
+
+
+def _group_options_with(group: str, subkey: str, config_dir: Path) -> list[str]:
+    """Options of config group ``group`` (conf/<group>/<option>.yaml) that define ``subkey``."""
+    found = []
+    for path in sorted((config_dir / group).glob("*.yaml")):
+        try:
+            if "@package" in path.read_text().split("\n", 1)[0]:
+                continue  # a global package: its keys are not under <group>.
+            if has_key(OmegaConf.load(path), subkey):
+                found.append(path.stem)
+        except Exception:  # an unreadable option never hides the main message
+            continue
+    return found
+
+
+def _choice(override) -> str:
+    """The current choice of a group override as an override string."""
+    return f"{override.get_key_element()}={override.get_value_element_as_str()}"
+
+
+def check_overrides(overrides: list[str], config_name: str = "config", config_dir: str | Path = CONFIG_DIR) -> None:
+    """Reject key overrides whose key no config defines (see the module docstring).
+
+    Args:
+        overrides: Hydra override strings as on the command line (``a.b=1``, ``+c=2``, ...).
+        config_name: the primary config.
+        config_dir: the config directory.
+    Raises:
+        UnknownKeyError: one line per unknown key: the override, the closest valid key, the
+            group options that define it, and the ``++`` escape.
+
+    Override strings Hydra cannot parse, unknown group options and sweeps that cannot be
+    enumerated are left to Hydra (no error here).
+    """
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+
+    if not overrides:
+        return
+    config_dir = Path(config_dir)
+    backup = get_gh_backup()  # callable inside a Hydra app too: its global state comes back after
+    GlobalHydra.instance().clear()
+    try:
+        problems = _find_unknown(overrides, config_name, config_dir)
+    finally:
+        restore_gh_from_backup(backup)
+    if problems:
+        raise UnknownKeyError(
+            "unknown config key(s); no config defines them, so they would change nothing:\n"
+            + "\n".join(f"  {line}" for line in problems.values())
+            + "\nto add a key on purpose, force-add it: ++<key>=<value> (see every key with: "
+              "python -m fedfew.train --cfg job)"
+        )
+
+
+def _find_unknown(overrides: list[str], config_name: str, config_dir: Path) -> dict[str, str] | None:
+    """Override line -> description of each unknown key (see :func:`check_overrides`); None
+    when the check is left to Hydra."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        groups = set(loader.list_groups(""))
+        try:
+            parsed = OverridesParser.create(config_loader=loader).parse_overrides(overrides)
+        except HydraException:
+            return
+        group_overrides, key_overrides = [], []
+        for o in parsed:
+            if o.is_hydra_override() or o.is_delete():
+                continue
+            if o.package is not None or "/" in o.key_or_group or o.key_or_group in groups:
+                group_overrides.append(o)
+            elif not o.is_force_add():
+                key_overrides.append(o)
+        if not key_overrides:
+            return
+        choices: list[list[str]] = []
+        for o in group_overrides:
+            if o.is_sweep_override():
+                if not o.is_discrete_sweep():
+                    return
+                prefix = o.get_key_element()
+                choices.append([f"{prefix}={v}" for v in o.sweep_string_iterator()])
+            else:
+                choices.append([_choice(o)])
+        combos = list(itertools.islice(itertools.product(*choices), MAX_COMBINATIONS + 1))
+        if len(combos) > MAX_COMBINATIONS:
+            return
+        problems: dict[str, str] = {}
+        for combo in combos:
+            try:
+                cfg = compose(config_name=config_name, overrides=list(combo))
+            except HydraException:
+                return  # e.g. an unknown group option: Hydra's own message lists the options
+            keys = None
+            for o in key_overrides:
+                key = o.key_or_group
+                if o.input_line in problems or has_key(cfg, key):
+                    continue
+                keys = keys if keys is not None else config_keys(cfg)
+                problems[o.input_line] = _describe(o, key, keys, cfg, config_dir)
+    return problems
+
+
+def _describe(override, key: str, keys: list[str], cfg: DictConfig, config_dir: Path) -> str:
+    """One line about an unknown key: the closest valid key and where the key does exist."""
+    value = override.get_value_element_as_str() if not override.is_sweep_override() else "..."
+    text = f"{override.input_line}: "
+    head, _, sub = key.partition(".")
+    where = _group_options_with(head, sub, config_dir) if sub and (config_dir / head).is_dir() else []
+    choice = cfg.get(head, {}).get("name") if sub and isinstance(cfg.get(head), DictConfig) else None
+    if where:
+        text += (f"{head}={choice or '<this choice>'} has no key {key} (it exists for {head}="
+                 f"{', '.join(where)}); ")
+    else:
+        text += f"no config defines {key}; "
+    best, score = closest_key(key, keys)
+    if best is None:
+        return text + "this config has no keys"
+    if score >= SIMILAR:
+        return text + f"closest valid key: {best} (e.g. {best}={value})"
+    return text.removesuffix("; ") if where else text + f"no similar key (nearest: {best})"
+
+
+def main_check(argv: list[str] | None = None) -> None:
+    """Run :func:`check_overrides` on ``python -m fedfew.train``'s arguments; on unknown keys
+    print ``error: ...`` to stderr and exit with status 2 (before Hydra creates a run directory).
+
+    Hydra's own flags (``--help``, ``--info``, ``--config-dir``, ...) skip the check, except
+    ``--cfg``/``--multirun``, whose overrides are checked like a run's.
+    """
+    from hydra._internal.utils import get_args_parser
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args, _ = get_args_parser().parse_known_args(argv)
+    except SystemExit:
+        return  # Hydra reports its own usage errors
+    if args.help or args.hydra_help or args.info or args.shell_completion or args.config_path or args.config_dir \
+            or args.experimental_rerun:
+        return
+    try:
+        check_overrides(list(args.overrides), config_name=args.config_name or "config")
+    except UnknownKeyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

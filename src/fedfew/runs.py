@@ -1,0 +1,278 @@
+"""Run folders: their names, the lines that say where a run is, and the list of past runs.
+
+**Names.** ``python -m fedfew.train`` writes into
+``${FEDFEW_OUTPUT_DIR:-outputs}/<dataset>/<algorithm>/<YYYY-MM-DD_HH-MM-SS>[_<overrides>]``
+(``hydra.run.dir`` in conf/config.yaml). ``<overrides>`` is :func:`run_suffix` of the
+command line: each override as ``<last part of the key>-<value>`` (``algorithm.K=5`` ->
+``K-5``, ``partition=pathological`` -> ``partition-pathological``), joined by ``_``, at most
+:data:`MAX_SUFFIX` characters (then ``_+N`` for the N overrides left out; ``.hydra/overrides.yaml``
+always holds all of them), with only ``A-Z a-z 0-9 . _ + -`` (anything else becomes ``_``), so
+the folder can be pasted back as ``hydra.run.dir=...``. Overrides that do not change results
+are left out (:data:`EXCLUDED`: dataset and algorithm are in the path already; data_dir,
+trainer.threads, logger, resume, checkpointing).
+
+**Listing.** ``python -m fedfew.runs [ROOT ...]`` (``make runs``) prints one row per run found
+under ROOT (default ``$FEDFEW_OUTPUT_DIR``, else ``outputs`` and ``multirun``), newest first,
+with the headline figures of its ``results.json``; a run without one is ``running`` when a file
+in it changed in the last :data:`RUNNING_WINDOW_S` seconds, else ``interrupted`` (stopped by a
+signal, killed or crashed; ``resumable`` when it left ``checkpoints/last.ckpt``), with the
+rounds it reached and its last evaluation from ``metrics.csv``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+#: overrides left out of a run folder's name (keys, or a prefix ending with ".")
+EXCLUDED = ("dataset", "algorithm", "data_dir", "trainer.threads", "resume", "save_models", "checkpoint_every",
+            "logger", "logger.", "hydra.", "fail_on_nonfinite")
+#: longest ``<overrides>`` part of a run folder's name, in characters
+MAX_SUFFIX = 60
+#: a run without results.json counts as running when a file of it changed this recently
+RUNNING_WINDOW_S = 600.0
+RESOLVER = "fedfew.run_suffix"
+#: the checkout this package runs from (editable install: src/fedfew -> the repository root)
+CHECKOUT = Path(__file__).resolve().parents[2]
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
+
+
+def _excluded(key: str) -> bool:
+    return any(key == e or (e.endswith(".") and key.startswith(e)) for e in EXCLUDED)
+
+
+def run_suffix(overrides: Iterable[str]) -> str:
+    """``_<overrides>`` for a run folder's name from Hydra's task overrides (``""`` without any
+    kept); see the module docstring.
+
+    >>> run_suffix(["algorithm.K=5", "partition=pathological", "data_dir=/data", "+dataset.augment=true"])
+    '_K-5_partition-pathological_augment-true'
+    """
+    items = []
+    for text in overrides:
+        key, sep, value = str(text).partition("=")
+        key = key.lstrip("+~")
+        if not sep or _excluded(key) or str(text).startswith("~"):
+            continue
+        short = key.split("/")[-1].rsplit(".", 1)[-1]
+        items.append(_UNSAFE.sub("_", f"{short}-{value}").strip("_") or short)
+    kept, length = [], 0
+    for i, item in enumerate(items):
+        more = len(items) - i - 1
+        budget = MAX_SUFFIX - (len(f"_+{more}") if more else 0)
+        if length + 1 + len(item) > budget:
+            break
+        kept.append(item)
+        length += 1 + len(item)
+    left = len(items) - len(kept)
+    return ("_" + "_".join(kept) if kept else "") + (f"_+{left}" if left else "")
+
+
+def register_resolvers() -> None:
+    """Register ``${fedfew.run_suffix:<overrides>}`` (used by ``hydra.run.dir``) with OmegaConf;
+    idempotent."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver(RESOLVER):
+        OmegaConf.register_new_resolver(RESOLVER, lambda overrides: run_suffix(list(overrides or [])))
+
+
+def display_path(path: str | Path) -> str:
+    """``path`` relative to the working directory when it lies below it, else absolute."""
+    path = Path(path).absolute()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def where_lines(run_dir: str | Path, finished: bool = True) -> list[str]:
+    """The lines printed at the end of a run (rank 0): its folder and the commands that open
+    its notebook (a finished run only: the notebook reads results.json) and redraw its plots.
+    The notebook command is ``make notebook RUN=...`` when the working directory is the
+    checkout (where the Makefile is), else ``python -m fedfew.notebook ...``."""
+    shown = display_path(run_dir)
+    lines = [f"run folder: {shown}" + ("" if finished else "   (stopped early: metrics.csv, history.json and plots "
+                                                           "hold the rounds so far)")]
+    if finished:
+        here = Path.cwd().resolve() == CHECKOUT and (CHECKOUT / "Makefile").is_file()
+        command = f"make notebook RUN={shown}" if here else f"python -m fedfew.notebook {shown}"
+        lines.append(f"  notebook: {command}   (writes analysis.html there)")
+    lines.append(f"  plots:    {shown}/plots   (redraw: python -m fedfew.plots {shown})")
+    return lines
+
+
+# -- listing ---------------------------------------------------------------------------------
+
+@dataclass
+class RunInfo:
+    """One run folder as :func:`find_runs` sees it."""
+
+    path: Path
+    started: float                   # seconds since the epoch (the run's first file)
+    status: str                      # done | running | interrupted | resumable
+    rounds: str                      # "<reached>/<total>"
+    summary: dict[str, Any]          # results.json's summary, or the last evaluation of metrics.csv
+    wall_time_s: float | None = None
+
+
+def _is_run_dir(path: Path) -> bool:
+    return (path / "results.json").is_file() or (path / "config.yaml").is_file() \
+        or (path / ".hydra" / "config.yaml").is_file()
+
+
+def _newest_mtime(path: Path) -> float:
+    times = [p.stat().st_mtime for p in list(path.iterdir()) + list((path / ".hydra").glob("*")) if p.is_file()]
+    return max(times, default=path.stat().st_mtime)
+
+
+def _started(path: Path) -> float:
+    for name in (".hydra/config.yaml", "config.yaml"):
+        if (path / name).is_file():
+            return (path / name).stat().st_mtime
+    return path.stat().st_mtime
+
+
+def _total_rounds(path: Path) -> int | None:
+    from omegaconf import OmegaConf
+
+    for name in ("config.yaml", ".hydra/config.yaml"):
+        try:
+            value = OmegaConf.load(path / name).get("rounds")
+            return int(value)
+        except Exception:  # missing file, unresolved interpolation (.hydra) -> try the next
+            continue
+    return None
+
+
+def _metrics_progress(path: Path) -> tuple[int, dict[str, Any]]:
+    """(last round in metrics.csv, its last evaluation's accuracy columns)."""
+    try:
+        with (path / "metrics.csv").open() as fh:
+            rows = list(csv.DictReader(fh))
+    except OSError:
+        return 0, {}
+    last_round = int(float(rows[-1]["round"])) if rows else 0
+    evaluated = [r for r in rows if r.get("acc_mean")]
+    summary = {k: float(v) for k, v in evaluated[-1].items() if k.startswith(("acc_", "majority_")) and v} if evaluated else {}
+    return last_round, summary
+
+
+def run_info(path: Path, now: float | None = None) -> RunInfo:
+    """Status, rounds and headline figures of one run folder (see the module docstring)."""
+    now = time.time() if now is None else now
+    results_path = path / "results.json"
+    if results_path.is_file():
+        try:
+            results = json.loads(results_path.read_text())
+            s = results.get("summary", {})
+            total = s.get("rounds")
+            return RunInfo(path, _started(path), "done", f"{total}/{total}", s, results.get("wall_time_s"))
+        except (OSError, ValueError):
+            pass
+    reached, summary = _metrics_progress(path)
+    total = _total_rounds(path)
+    if now - _newest_mtime(path) <= RUNNING_WINDOW_S:
+        status = "running"
+    else:
+        status = "resumable" if (path / "checkpoints" / "last.ckpt").is_file() else "interrupted"
+    return RunInfo(path, _started(path), status, f"{reached}/{total if total is not None else '?'}", summary)
+
+
+def find_runs(roots: Iterable[str | Path]) -> list[RunInfo]:
+    """Every run folder under ``roots`` (a root may be a run folder itself), newest first.
+    Folders inside a run folder (plots, checkpoints, wandb) are not searched."""
+    found: dict[Path, RunInfo] = {}
+    now = time.time()
+    for root in roots:
+        root = Path(root)
+        if not root.is_dir():
+            continue
+        for current, dirs, _files in os.walk(root):
+            here = Path(current)
+            if _is_run_dir(here):
+                found[here.resolve()] = run_info(here, now)
+                dirs[:] = []
+            else:
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+    return sorted(found.values(), key=lambda r: r.started, reverse=True)
+
+
+def _fmt(value: Any, spec: str = ".4f") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.1f} s" if seconds < 60 else f"{seconds / 60:.1f} min" if seconds < 3600 else f"{seconds / 3600:.1f} h"
+
+
+def runs_table(runs: list[RunInfo], title: str = "runs"):
+    """A :class:`rich.table.Table` of ``runs`` (one row each)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("run", overflow="fold", min_width=min(100, max((len(display_path(r.path)) for r in runs), default=3)))
+    table.add_column("started")
+    table.add_column("status")
+    table.add_column("rounds", justify="right")
+    for name in ("client-mean acc", "min", "sample-weighted", "majority", ):
+        table.add_column(name, justify="right")
+    table.add_column("clients per model")
+    table.add_column("wall", justify="right")
+    for r in runs:
+        s = r.summary
+        table.add_row(
+            display_path(r.path), time.strftime("%Y-%m-%d %H:%M", time.localtime(r.started)), r.status, r.rounds,
+            _fmt(s.get("acc_mean")), _fmt(s.get("acc_min")), _fmt(s.get("acc_weighted")), _fmt(s.get("majority_acc_mean")),
+            str(s["models_served"]) if s.get("models_served") is not None else "-",
+            _duration(r.wall_time_s),
+        )
+    return table
+
+
+def default_roots() -> list[Path]:
+    """``$FEDFEW_OUTPUT_DIR`` when set, else ``outputs`` and ``multirun`` (the training defaults)."""
+    env = os.environ.get("FEDFEW_OUTPUT_DIR")
+    return [Path(env)] if env else [Path("outputs"), Path("multirun")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fedfew.runs [ROOT ...] [--limit N | --all]``: the table of past runs."""
+    parser = argparse.ArgumentParser(prog="python -m fedfew.runs", description="List fedfew runs, newest first.")
+    parser.add_argument("roots", nargs="*", help="folders to search (default: $FEDFEW_OUTPUT_DIR, else outputs and multirun)")
+    parser.add_argument("--limit", type=int, default=30, help="newest N runs (default 30)")
+    parser.add_argument("--all", action="store_true", help="every run")
+    args = parser.parse_args(argv)
+    roots = [Path(r) for r in args.roots] or default_roots()
+    missing = [str(r) for r in roots if not r.is_dir()]
+    if args.roots and missing:
+        print(f"error: not a folder: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    runs = find_runs(roots)
+    if not runs:
+        print(f"no runs under {', '.join(str(r) for r in roots)} (a run folder holds config.yaml or results.json)")
+        return 0
+    shown = runs if args.all else runs[: max(args.limit, 0)]
+    from rich.console import Console
+
+    table = runs_table(shown, title=f"runs under {', '.join(str(r) for r in roots)} (newest first)")
+    # a terminal folds long cells; a file or pipe gets the whole table, unwrapped
+    width = None if sys.stdout.isatty() else Console(width=10_000).measure(table).maximum
+    console = Console(width=width)
+    console.print(table)
+    if len(shown) < len(runs):
+        console.print(f"{len(runs) - len(shown)} older run(s) not shown (--all)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Our own errors where Hydra's mislead: keys no config defines (with or without ``+``) are
+rejected before any compute naming the closest valid key; ``++`` adds a key on purpose; the
+partition errors name only fixes that can work."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedfew.overrides import UnknownKeyError, check_overrides, closest_key, has_key
+from test_train_cli import train
+
+
+def message(*overrides: str) -> str:
+    with pytest.raises(UnknownKeyError) as err:
+        check_overrides(list(overrides))
+    return str(err.value)
+
+
+@pytest.mark.parametrize("key,expected", [
+    ("mu", "algorithm.mu"), ("round", "rounds"), ("seeds", "seed"), ("threads", "trainer.threads"),
+    ("algorithm.mu_prox", "algorithm.mu"), ("partition.alpah", "partition.alpha"), ("batch_size", "dataset.batch_size"),
+])
+def test_closest_key(key, expected):
+    keys = ["seed", "rounds", "algorithm.K", "algorithm.mu", "algorithm.mu_scale", "algorithm.name", "trainer.threads",
+            "partition.alpha", "partition.name", "dataset.batch_size", "optim.lr"]
+    assert closest_key(key, keys)[0] == expected
+
+
+def test_bare_unknown_key_names_the_nested_one():
+    text = message("mu=-1")
+    assert "mu=-1: no config defines mu; closest valid key: algorithm.mu (e.g. algorithm.mu=-1)" in text
+    assert "+mu" not in text  # not Hydra's hint, which trains with the key ignored
+    assert "++<key>=<value>" in text  # the documented escape
+
+
+def test_added_keys_no_config_defines_are_rejected():
+    text = message("+no_such_key=1", "rounds=2")
+    assert "+no_such_key=1: no config defines no_such_key; no similar key (nearest: " in text
+    assert "rounds=2" not in text  # valid overrides are not listed
+    text = message("algorithm=fedfew", "+algorithm.mu_prox=0.1")
+    assert ("+algorithm.mu_prox=0.1: algorithm=fedfew has no key algorithm.mu_prox (it exists for algorithm=fedprox); "
+            "closest valid key: algorithm.mu") in text
+
+
+def test_valid_keys_group_choices_and_force_add_pass():
+    check_overrides(["algorithm=fedprox", "+algorithm.mu_prox=0.1"])  # +: Hydra's add, of fedprox's key
+    check_overrides(["algorithm=fedprox", "algorithm.mu_prox=0.1", "rounds=3", "trainer.threads=1"])
+    check_overrides(["++algorithm.mu_prox=0.1"])  # the escape: force-add a key on purpose
+    check_overrides(["engine_clients=4", "dataset=agnews", "model.embed_init_std=0.3"])
+    check_overrides(["partition=pathological", "partition.classes_per_client=3", "hydra.run.dir=/tmp/x"])
+    check_overrides(["dataset=nosuchset", "mu=1"])  # an unknown group option: Hydra lists the options itself
+
+
+def test_every_swept_group_choice_is_checked():
+    # algorithm.K exists for fedfew, not for fedavg: the multirun's fedavg job would ignore it
+    text = message("algorithm=fedfew,fedavg", "algorithm.K=3")
+    assert "algorithm.K=3: algorithm=fedavg has no key algorithm.K (it exists for algorithm=" in text
+    check_overrides(["algorithm=fedfew,ifca", "algorithm.K=3"])
+
+
+def test_has_key_walks_dicts_and_lists():
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"a": {"b": [1, {"c": 2}]}, "d": None})
+    assert has_key(cfg, "a.b.1.c") and has_key(cfg, "a.b.0") and has_key(cfg, "d")
+    assert not has_key(cfg, "a.b.2") and not has_key(cfg, "a.c") and not has_key(cfg, "d.e")
+
+
+def test_command_line_rejects_unknown_keys_before_anything_runs(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = train(f"hydra.run.dir={run_dir}", "algorithm=fedfew", "mu=-1", "+no_such_key=1", "+algorithm.mu_prox=0.1",
+                 "rounds=2", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.splitlines()
+    assert lines[0] == "error: unknown config key(s); no config defines them, so they would change nothing:"
+    assert lines[1] == "  mu=-1: no config defines mu; closest valid key: algorithm.mu (e.g. algorithm.mu=-1)"
+    assert lines[2].startswith("  +no_such_key=1: no config defines no_such_key")
+    assert lines[3].startswith("  +algorithm.mu_prox=0.1: algorithm=fedfew has no key algorithm.mu_prox")
+    assert "Traceback" not in proc.stderr and not run_dir.exists()
+
+
+def test_command_line_force_add_and_engine_clients_need_no_plus(tmp_path):
+    proc = train("++algorithm.mu_prox=0.1", "engine_clients=3", "--cfg", "job", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "mu_prox: 0.1" in proc.stdout and "engine_clients: 3" in proc.stdout
+
+
+# -- partition errors: only fixes that can work ------------------------------------------------
+
+def partition(targets, M, **cfg):
+    from fedfew.data.partition import PartitionError, partition_clients
+
+    with pytest.raises(PartitionError) as err:
+        partition_clients(np.asarray(targets), M, {"test_fraction": 0.25, **cfg}, seed=0)
+    return str(err.value)
+
+
+def test_dirichlet_with_more_clients_than_samples_allow_names_the_client_bound_not_alpha():
+    # N = 100, min_size 10: at most 10 clients, whatever alpha
+    text = partition(np.repeat(np.arange(10), 10), 20, name="dirichlet", alpha=0.5, min_size=10, max_retries=5)
+    assert "no alpha can help" in text and text.endswith("fix: num_clients <= 10 or partition.min_size=2")
+    assert "raise alpha" not in text and "partition.alpha" not in text
+    # 60 clients do not fit even with the smallest min_size (2 samples each): only fewer clients
+    text = partition(np.repeat(np.arange(10), 10), 60, name="dirichlet", alpha=0.5, min_size=10)
+    assert text.endswith("fix: num_clients <= 10")
+
+
+def test_dirichlet_draws_that_fail_name_every_knob_that_can_help():
+    # 10 clients x 10 samples = N exactly: with alpha 0.01 no draw gives every client 10
+    text = partition(np.repeat(np.arange(10), 10), 10, name="dirichlet", alpha=0.01, min_size=10, max_retries=3)
+    assert text.endswith("fix: partition.alpha > 0.01 (more even client sizes), num_clients < 10, "
+                         "partition.min_size=2 or partition.max_retries > 3")
+
+
+def test_iid_clients_too_small_name_fewer_clients_and_the_validation_split():
+    # N = 10 over 8 clients: 6 clients get 1 sample; at most 5 clients of 2
+    text = partition(np.arange(10) % 2, 8, name="iid")
+    assert "client 2 has 1 sample(s)" in text and text.endswith("fix: num_clients < 8 (at most 5 can get 2 samples each)")
+    # 2 samples each with a validation split: 1 test, 1 train, no validation sample; dropping it works
+    text = partition(np.arange(16) % 2, 8, name="iid", val_fraction=0.5)
+    assert text.endswith("fix: num_clients < 8 (at most 5 can get 3 samples each) or partition.val_fraction=0")
+
+
+def test_engine_clients_is_a_real_key_checked_before_training():
+    from conftest import compose_config
+    from fedfew.config import ConfigError, validate_config
+
+    assert compose_config().engine_clients == "auto"
+    validate_config(compose_config("engine_clients=4"))
+    for bad, shown in (("0", "0"), ("many", "'many'")):
+        with pytest.raises(ConfigError, match=f"engine_clients={shown}: allowed auto or integer >= 1"):
+            validate_config(compose_config(f"engine_clients={bad}"))

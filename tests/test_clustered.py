@@ -37,7 +37,7 @@ def test_every_client_draws_only_from_its_own_rotated_copy():
     """replicate: group g's block of the pooled data is the whole dataset rotated by g x 90
     degrees; each client holds samples of its own group's block only, and every sample of every
     block is used exactly once."""
-    cfg = compose_config("num_clients=20")
+    cfg = compose_config("num_clients=20", "partition.group_data=replicate")
     assert cfg.partition.name == "clustered" and cfg.partition.groups == 4 and cfg.algorithm.K == 4
     data = build_federated_data(cfg)
     original = load_digits(None, Path("."))

@@ -14,11 +14,12 @@ the true groups (adjusted Rand index 1).
 - ``permute_labels``: group g relabels class c as pi_g(c), pi_0 the identity and the other
   pi_g distinct seeded permutations (any dataset, text included). Inputs unchanged.
 
-``group_data``: ``replicate`` (default, IFCA's construction): every group holds the whole
-dataset, transformed, so the pooled data grows G times; ``split``: the samples are dealt to
-the groups (stratified by label: each class's samples are shuffled and dealt in turn), each
-sample used once. Either way the clients of group g then split group g's samples with the
-usual label split (``partition.within``: iid, dirichlet or pathological).
+``group_data``: ``split`` (default): the samples are dealt to the groups (stratified by label:
+each class's samples are shuffled and dealt in turn), each sample used once, so clients are as
+large as under the other partitions of the same dataset; ``replicate`` (IFCA's construction):
+every group holds the whole dataset, transformed, so the pooled data grows G times. Either way
+the clients of group g then split group g's samples with the usual label split
+(``partition.within``: iid, dirichlet or pathological).
 """
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ def check_groups(cfg: Any, num_clients: int | None, pooled: PooledDataset | None
     transform = cfg.get("group_transform")
     if transform not in GROUP_TRANSFORMS:
         raise GroupError(f"partition.group_transform={transform!r}; allowed: {', '.join(GROUP_TRANSFORMS)}")
-    if cfg.get("group_data", "replicate") not in GROUP_DATA:
+    if cfg.get("group_data", "split") not in GROUP_DATA:
         raise GroupError(f"partition.group_data={cfg.get('group_data')!r}; allowed: {', '.join(GROUP_DATA)}")
     if transform == "rotate" and G > MAX_ROTATION_GROUPS:
         raise GroupError(f"partition.groups={G} with group_transform=rotate: only {MAX_ROTATION_GROUPS} distinct "
@@ -147,8 +148,9 @@ def make_groups(pooled: PooledDataset, cfg: Any, num_clients: int, seed: int) ->
         seed: the partition seed (the label permutations and the ``split`` deal draw from their
             own stream of it, so the client partition's streams are unchanged).
     Returns:
-        (dataset, group): ``replicate``: G x N samples, block g = group g's transformed copy of
-        all N; ``split``: N samples, each transformed by its own group. ``group`` is (N',) int64.
+        (dataset, group): ``split``: N samples, each transformed by its own group (pooled in
+        group order); ``replicate``: G x N samples, block g = group g's transformed copy of all N.
+        ``group`` is (N',) int64.
     Raises:
         GroupError: see :func:`check_groups`.
     """
@@ -158,7 +160,7 @@ def make_groups(pooled: PooledDataset, cfg: Any, num_clients: int, seed: int) ->
     rng = np.random.default_rng(np.random.SeedSequence(int(seed)).spawn(3)[2])
     targets = pooled.targets.long()
     N = len(targets)
-    if str(cfg.get("group_data", "replicate")) == "replicate":
+    if str(cfg.get("group_data", "split")) == "replicate":
         members = [np.arange(N)] * G
     else:
         members = _deal_by_label(targets.numpy(), G, rng)

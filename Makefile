@@ -97,3 +97,50 @@ slurm-down:
 
 clean:
 	rm -rf outputs multirun .pytest_cache .hypothesis
+
+# GPU readiness (issue #20, docs/speed.md). Here, where pip works:  make gpu-wheels gpu-data
+# (wheels of what a bare torch image lacks + the CIFAR-10 tarballs, both git-ignored, carried to
+# the GPU machine); there:  make gpu-check  (= bash scripts/gpu_check.sh; OUT=<dir> for the
+# results). Without a GPU, gpu-check runs its CPU smoke mode (< 60 s; tests/test_gpu_check.py).
+# GPU_WHEELS: the runtime dependencies a CUDA torch image (torch, torchvision, lightning,
+# torchmetrics, transformers, numpy, scipy, scikit-learn, matplotlib, pandas, pillow, rich, pyyaml,
+# pyarrow, ... preinstalled) may lack, each named and pinned to the versions tested here, for
+# CPython 3.12 manylinux x86-64, without their dependencies. GPU_WHEELS_SDIST: pure-Python
+# packages published only as source (antlr4-python3-runtime 4.9.3, omegaconf's parser runtime),
+# built into a py3-none-any wheel here. wandb (~25 MB with its dependencies) is left out: add it
+# with GPU_WHEELS_EXTRA when a run there needs logger=wandb.
+GPU_WHEELS_DIR ?= .gpu_wheels
+GPU_DATA_DIR ?= .gpu_data
+GPU_WHEELS ?= hydra-core==1.3.8 omegaconf==2.3.1 submitit==1.5.4 hydra-submitit-launcher==1.2.0 \
+	datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+GPU_WHEELS_SDIST ?= antlr4-python3-runtime==4.9.3
+GPU_WHEELS_EXTRA ?=
+GPU_PIP_TARGET := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+GPU_CHECK_ARGS ?=
+
+.PHONY: gpu-check gpu-wheels gpu-data
+
+gpu-check:
+	bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS_DIR).tmp && mkdir -p $(GPU_WHEELS_DIR).tmp
+	$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: $(GPU_PIP_TARGET) \
+		-d $(GPU_WHEELS_DIR).tmp $(GPU_WHEELS) $(GPU_WHEELS_EXTRA)
+	$(PYTHON) -m pip wheel --quiet --disable-pip-version-check --no-deps -w $(GPU_WHEELS_DIR).tmp $(GPU_WHEELS_SDIST)
+	@for w in $(GPU_WHEELS_DIR).tmp/*.whl; do case "$$w" in *-none-any.whl|*manylinux*x86_64.whl) ;; \
+		*) echo "gpu-wheels: $$w is built for this machine, not for CPython 3.12 x86-64" >&2; exit 1;; esac; done
+	rm -rf $(GPU_WHEELS_DIR) && mv $(GPU_WHEELS_DIR).tmp $(GPU_WHEELS_DIR)
+	@ls $(GPU_WHEELS_DIR); du -sh $(GPU_WHEELS_DIR)
+
+# the CIFAR-10 tarballs (~19 MB) from the data directory (DATA_DIR, FEDFEW_DATA_DIR or ../shared/data)
+gpu-data:
+	@src="$(TEST_DATA_DIR)/cifar10"; \
+	if [ -z "$(TEST_DATA_DIR)" ] || [ ! -f "$$src/cifar10_train_jpg.tar.gz" ] || [ ! -f "$$src/cifar10_test_jpg.tar.gz" ]; then \
+		echo "gpu-data: no cifar10_train_jpg.tar.gz + cifar10_test_jpg.tar.gz in '$$src'; set DATA_DIR=<data directory>" >&2; \
+		exit 1; \
+	fi; \
+	rm -rf $(GPU_DATA_DIR).tmp && mkdir -p $(GPU_DATA_DIR).tmp/cifar10 && \
+	cp "$$src/cifar10_train_jpg.tar.gz" "$$src/cifar10_test_jpg.tar.gz" $(GPU_DATA_DIR).tmp/cifar10/ && \
+	rm -rf $(GPU_DATA_DIR) && mv $(GPU_DATA_DIR).tmp $(GPU_DATA_DIR) && du -sh $(GPU_DATA_DIR)

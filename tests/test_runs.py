@@ -161,6 +161,39 @@ def test_find_runs_newest_first_with_status_and_figures(tmp_path, capsys):
     assert runs.main([str(tmp_path / "nothing")]) == 2
 
 
+def test_status_follows_the_training_process_when_it_is_known(tmp_path):
+    import socket
+    import subprocess
+
+    now = time.time()
+    # an old folder whose process still runs (a long first round): running
+    live = make_run(tmp_path, "live", now - 3 * 3600, metrics=[{"round": 1, "g": 1.0}])
+    (live / runs.PID_FILE).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+    # a fresh folder whose process is gone (killed a second ago): interrupted, not running
+    gone = make_run(tmp_path, "gone", now - 5, metrics=[{"round": 2, "g": 1.0}], touched=now)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (gone / runs.PID_FILE).write_text(f"{socket.gethostname()} {dead.pid}\n")
+    # a process on another host: the modification time decides (fresh: running)
+    elsewhere = make_run(tmp_path, "elsewhere", now - 5, metrics=[{"round": 2, "g": 1.0}], touched=now)
+    (elsewhere / runs.PID_FILE).write_text("some-other-host 1\n")
+    status = {r.path.name: r.status for r in runs.find_runs([tmp_path])}
+    assert status == {"live": "running", "gone": "interrupted", "elsewhere": "running"}
+    runs.clear_running(live)
+    assert runs.run_info(live).status == "interrupted"
+
+
+def test_console_report_marks_the_run_while_it_trains(tmp_path, capsys):
+    report = ConsoleReport(plain=True)
+    sim = fake_sim(1, tmp_path)
+    report.on_fit_start(sim)
+    assert (tmp_path / runs.PID_FILE).read_text().split()[1] == str(os.getpid())
+    report.on_round_end(sim, 1, {"round": 1, "round_time_s": 0.1, "lr": 0.1}, None)
+    report.on_interrupt(sim, 1)
+    assert not (tmp_path / runs.PID_FILE).exists()
+    assert "stopped early" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_two_process_run_is_quiet_named_and_says_where_it_is(tmp_path):
     """devices=2 with an `srun` on PATH (as on a Slurm login node): no srun warning, one set of
@@ -189,6 +222,7 @@ def test_two_process_run_is_quiet_named_and_says_where_it_is(tmp_path):
     assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_rounds-2_num_clients-6_partition-iid_eval_every-1_\+3",
                         run_dir.name), run_dir.name
     summary = json.loads((run_dir / "results.json").read_text())["summary"]
+    assert not (run_dir / runs.PID_FILE).exists()  # removed at the end: listed as done
     progress = [line for line in proc.stdout.splitlines() if line.startswith("round ")]
     assert len(progress) == 2 and all(" s/round  wall " in line and "  train " in line for line in progress)
     assert progress[1].startswith(f"round 2/2  loss ") and f"acc {summary['acc_mean']:.4f}" in progress[1]

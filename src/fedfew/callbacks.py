@@ -336,6 +336,9 @@ class ConsoleReport:
     logging per round (both averaged over the rounds since the previous line), ``eta``: the
     rounds left times the mean wall time per round so far.
 
+    While the rounds run, the run folder holds :data:`fedfew.runs.PID_FILE` (this process), so
+    ``make runs`` tells a live run from a stopped one.
+
     Args:
         interval_s: least seconds between two plain lines (evaluation, first and last rounds excepted).
         plain: force plain lines (True) or the bar (False); None: plain when stderr is not a terminal.
@@ -362,6 +365,9 @@ class ConsoleReport:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         self.run_dir = Path(sim.run_dir)
+        from fedfew.runs import mark_running
+
+        mark_running(self.run_dir)  # `make runs` tells a live run from a stopped one
         if self.plain is None:
             self.plain = not sys.stderr.isatty()
         self.progress = Progress(
@@ -423,14 +429,18 @@ class ConsoleReport:
             return
         if self.progress is not None:
             self.progress.stop()
-        from fedfew.runs import where_lines
+        from fedfew.runs import clear_running, where_lines
 
+        clear_running(sim.run_dir)
         print("\n".join(where_lines(sim.run_dir, finished=False)), flush=True)
 
     def on_fit_end(self, sim, results: dict[str, Any]) -> None:
         if sim.fabric.global_rank != 0:
             return
         self.progress.stop()
+        from fedfew.runs import clear_running
+
+        clear_running(sim.run_dir)
         print_client_table(results, run_dir=sim.run_dir)
 
 

@@ -13,10 +13,12 @@ trainer.threads, logger, resume, checkpointing).
 
 **Listing.** ``python -m fedfew.runs [ROOT ...]`` (``make runs``) prints one row per run found
 under ROOT (default ``$FEDFEW_OUTPUT_DIR``, else ``outputs`` and ``multirun``), newest first,
-with the headline figures of its ``results.json``; a run without one is ``running`` when a file
-in it changed in the last :data:`RUNNING_WINDOW_S` seconds, else ``interrupted`` (stopped by a
-signal, killed or crashed; ``resumable`` when it left ``checkpoints/last.ckpt``), with the
-rounds it reached and its last evaluation from ``metrics.csv``.
+with the headline figures of its ``results.json``; a run without one is ``running`` while the
+process that trains it is alive (rank 0 keeps its host and pid in :data:`PID_FILE` from the
+first round to the end; on another host, or before the first round: when a file in it changed
+in the last :data:`RUNNING_WINDOW_S` seconds), else ``interrupted`` (stopped by a signal, killed
+or crashed; ``resumable`` when it left ``checkpoints/last.ckpt``), with the rounds it reached and
+its last evaluation from ``metrics.csv``.
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ MAX_SUFFIX = 60
 #: a run without results.json counts as running when a file of it changed this recently
 RUNNING_WINDOW_S = 600.0
 RESOLVER = "fedfew.run_suffix"
+#: ``<host> <pid>`` of the process training a run, in its folder while it trains
+PID_FILE = ".fedfew.pid"
 #: the checkout this package runs from (editable install: src/fedfew -> the repository root)
 CHECKOUT = Path(__file__).resolve().parents[2]
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
@@ -107,6 +111,39 @@ def where_lines(run_dir: str | Path, finished: bool = True) -> list[str]:
         lines.append(f"  notebook: {command}   (writes analysis.html there)")
     lines.append(f"  plots:    {shown}/plots   (redraw: python -m fedfew.plots {shown})")
     return lines
+
+
+def mark_running(run_dir: str | Path) -> None:
+    """Record this process (host and pid) as the one training ``run_dir`` (:data:`PID_FILE`)."""
+    import socket
+
+    (Path(run_dir) / PID_FILE).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+
+
+def clear_running(run_dir: str | Path) -> None:
+    """Remove :data:`PID_FILE` (the run ended or stopped)."""
+    (Path(run_dir) / PID_FILE).unlink(missing_ok=True)
+
+
+def _alive(run_dir: Path) -> bool | None:
+    """Whether the process in the run's :data:`PID_FILE` still runs; None when unknown (no
+    file, or a process on another host)."""
+    import socket
+
+    try:
+        host, pid = (run_dir / PID_FILE).read_text().split()
+        pid = int(pid)
+    except (OSError, ValueError):
+        return None
+    if host != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 # -- listing ---------------------------------------------------------------------------------
@@ -179,7 +216,8 @@ def run_info(path: Path, now: float | None = None) -> RunInfo:
             pass
     reached, summary = _metrics_progress(path)
     total = _total_rounds(path)
-    if now - _newest_mtime(path) <= RUNNING_WINDOW_S:
+    alive = _alive(path)
+    if alive or (alive is None and now - _newest_mtime(path) <= RUNNING_WINDOW_S):
         status = "running"
     else:
         status = "resumable" if (path / "checkpoints" / "last.ckpt").is_file() else "interrupted"

@@ -45,7 +45,10 @@ test: $(STAMP)
 	FEDFEW_DATA_DIR=$(TEST_DATA_DIR) WANDB_MODE=$${WANDB_MODE:-offline} WANDB_SILENT=true \
 		$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# SLURM: render scripts/slurm/job.sbatch.template and submit it (one task per device)
+# SLURM: check the run config on this node (`python -m fedfew.check`: the checks `make train` makes
+# before loading data, a few seconds; a bad config is never queued), render
+# scripts/slurm/job.sbatch.template and submit it (one task per device); prints the job id, the run
+# folder and the `tail -F` command that follows the job's log (docs/clusters.md).
 NODES ?= 1
 GPUS ?= 0
 TASKS ?= $(if $(filter 0,$(GPUS)),1,$(GPUS))
@@ -57,7 +60,7 @@ ACCELERATOR ?= $(if $(filter 0,$(GPUS)),cpu,gpu)
 
 slurm: $(STAMP)
 	mkdir -p $(SLURM_OUT)
-	$(BIN)/python scripts/slurm/render.py --submit --job-name fedfew-$(DATASET) --nodes $(NODES) \
+	$(BIN)/python scripts/slurm/render.py --submit --check --job-name fedfew-$(DATASET) --nodes $(NODES) \
 		--ntasks-per-node $(TASKS) --gpus-per-node $(GPUS) --cpus-per-task $(CPUS) --time $(TIME) \
 		--partition $(PARTITION) --output $(SLURM_OUT)/%j.out --workdir $(CURDIR) \
 		--python $(abspath $(BIN)/python) --run-root $(SLURM_OUT) --script $(SLURM_OUT)/last.sbatch -- \

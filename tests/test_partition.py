@@ -260,7 +260,7 @@ def test_pathological_errors():
 
 # ----------------------------------------------------------------------------- natural
 @PROPS
-@given(G=st.integers(1, 60), N=st.integers(200, 3000), which=st.sampled_from(["all", "none", "neg", "fewer"]),
+@given(G=st.integers(1, 60), N=st.integers(200, 3000), which=st.sampled_from(["all", "none", "fewer", "random"]),
        official=st.booleans(), seed=seed_st)
 def test_natural_properties(G, N, which, official, seed):
     rng = np.random.default_rng(seed)
@@ -269,16 +269,22 @@ def test_natural_properties(G, N, which, official, seed):
     groups = rng.permutation(groups)
     targets = rng.integers(0, 5, size=len(groups))
     off = rng.random(len(groups)) < 0.3 if official else None
-    M = {"all": G, "none": None, "neg": -1, "fewer": max(1, G // 2)}[which]
+    M = {"all": G, "none": None, "fewer": max(1, G // 2), "random": max(1, G // 2)}[which]
+    cfg = {"name": "natural", "client_sample": "random" if which == "random" else "first"}
     try:
-        clients = partition_clients(targets, M, {"name": "natural"}, seed, groups=groups, official_test=off)
+        clients = partition_clients(targets, M, cfg, seed, groups=groups, official_test=off)
     except PartitionError as e:
         assert re.search(r"client \d+ has", str(e))
         return
-    m = G if which in ("all", "none", "neg") else max(1, G // 2)
+    m = G if which in ("all", "none") else max(1, G // 2)
     check_invariants(clients, len(groups), m, all_assigned=(m == G))
+    if which == "random":  # the groups of the assignment stream's sample, in sorted id order
+        assign_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(2)[0])
+        chosen = ids[np.sort(assign_rng.choice(G, size=m, replace=False))]
+    else:
+        chosen = ids[:m]
     for i, c in enumerate(clients):
-        mine = np.flatnonzero(groups == ids[i])  # client i == i-th group in sorted order
+        mine = np.flatnonzero(groups == chosen[i])  # client i == i-th chosen group in sorted order
         np.testing.assert_array_equal(np.sort(client_all(c)), mine)
         if official:  # LEAF layout: the writer's own official train/test
             np.testing.assert_array_equal(c.train, mine[~off[mine]])
@@ -290,8 +296,32 @@ def test_natural_errors():
     with pytest.raises(PartitionError, match="no natural partition"):
         partition_clients(targets, 2, {"name": "natural"}, seed=0)
     groups = np.repeat([5, 9], 10)
-    with pytest.raises(PartitionError, match="num_clients=3 .* only 2 groups"):
+    with pytest.raises(PartitionError, match=r"num_clients=3 but the dataset has only 2 groups .*num_clients=null for all 2"):
         partition_clients(targets, 3, {"name": "natural"}, seed=0, groups=groups)
+    for bad in (0, -1, 1.5, True):  # the config rule: null (every group) or an integer >= 1
+        with pytest.raises(PartitionError, match=r"num_clients=.*use num_clients=null for every group"):
+            partition_clients(targets, bad, {"name": "natural"}, seed=0, groups=groups)
+    with pytest.raises(PartitionError, match="partition.client_sample='last'; allowed: first, random"):
+        partition_clients(targets, 1, {"name": "natural", "client_sample": "last"}, seed=0, groups=groups)
+
+
+def test_natural_cap_picks_first_or_seeded_random_groups():
+    groups = np.repeat([40, 10, 30, 20, 50], 4)  # sorted ids: 10 20 30 40 50
+    targets = np.tile([0, 1], 10)
+    first = partition_clients(targets, 2, {"name": "natural"}, seed=0, groups=groups)
+    assert [sorted(set(groups[np.r_[c.train, c.test]])) for c in first] == [[10], [20]]
+    # random: a sample of 2 of the 5 groups from the assignment stream, same seed -> same groups
+    picks = []
+    for seed in range(6):
+        clients = partition_clients(targets, 2, {"name": "natural", "client_sample": "random"}, seed=seed, groups=groups)
+        got = [int(groups[c.train[0]]) for c in clients]
+        stream = np.random.default_rng(np.random.SeedSequence(seed).spawn(2)[0])
+        assert got == [[10, 20, 30, 40, 50][j] for j in np.sort(stream.choice(5, size=2, replace=False))]
+        assert got == sorted(got) and all(len(c.train) + len(c.test) == 4 for c in clients)
+        picks.append(tuple(got))
+    assert len(set(picks)) > 1  # not always the first two
+    # no cap: every group, whatever client_sample says
+    assert len(partition_clients(targets, None, {"name": "natural", "client_sample": "random"}, 0, groups=groups)) == 5
 
 
 # ----------------------------------------------------------------------------- official test split
@@ -424,7 +454,7 @@ def test_unknown_name_lists_names():
         partition_clients(np.zeros(10, np.int64), 2, {"name": "bogus"}, seed=0)
     for name in PARTITIONS:
         assert name in str(info.value)
-    assert set(PARTITIONS) == {"iid", "dirichlet", "pathological", "natural"}
+    assert set(PARTITIONS) == {"iid", "dirichlet", "pathological", "natural", "clustered"}
 
 
 def test_summary_is_json_and_consistent():

@@ -111,3 +111,58 @@ def test_client_log_weights_match_global_log_weight():
     local = client_log_weights(res.losses, mu)
     torch.testing.assert_close(local - float(res.g) / mu, res.log_weight)
     torch.testing.assert_close((local - float(res.g) / mu).exp(), res.alpha[:, None] * res.w)
+
+
+# ----------------------------------------------------------------------------- stch_value (dtype, checks)
+@pytest.mark.parametrize("shape", [(3, 1), (1, 3)])
+def test_stch_value_fp16_losses_are_upcast(shape):
+    """fp16 losses [300, 2.3, 2.3] at mu = 1e-3: L / mu = 3e5 overflows fp16 (max 65504), so the
+    objective must be computed in float32. (3, 1): three clients, one model -> alpha = [1, 0, 0];
+    (1, 3): one client, three models -> w = [0, 1/2, 1/2] (2.3 rounds to the same fp16 value)."""
+    mu = 1e-3
+    values = torch.tensor([300.0, 2.3, 2.3], dtype=torch.float16)
+    assert torch.isinf(-values.reshape(shape) / mu).any()  # what the fp16 computation would meet
+    losses = values.reshape(shape).clone().requires_grad_(True)
+    g = stch_value(losses, mu)
+    assert g.dtype == torch.float32 and bool(torch.isfinite(g))
+    exact = losses.detach().double()  # the fp16 values, exactly
+    if shape == (3, 1):  # g = mu * log sum_i exp(L_i / mu) = 300 + mu * log(1 + 2 exp(-(300 - 2.30078125) / mu))
+        expected, weights = 300.0, [[1.0], [0.0], [0.0]]
+    else:  # g = -mu * log sum_k exp(-L_k / mu) = 2.30078125 + mu * log(1 / 2) (the 300 term is exp(-3e5))
+        expected, weights = 2.30078125 - mu * math.log(2.0), [[0.0, 0.5, 0.5]]
+    assert float(exact.flatten()[1]) == 2.30078125
+    assert float(g.detach()) == pytest.approx(expected, rel=1e-6)
+    g.backward()
+    assert losses.grad.dtype == torch.float16
+    assert losses.grad.double().tolist() == weights
+    assert float(losses.grad.double().sum()) == 1.0
+    ref = stch_set(exact, mu)  # float64 weights alpha_i * w_ik
+    torch.testing.assert_close(losses.grad.double(), ref.alpha[:, None] * ref.w, rtol=0, atol=1e-3)
+
+
+def test_stch_value_keeps_float64_and_bf16_weights_sum_to_one():
+    L = torch.tensor([[1.0, 2.0], [3.0, 0.5]], dtype=torch.float64)
+    S = torch.exp(-L).sum(dim=1)  # hand value, mu = 1: g = log sum_i 1 / S_i
+    assert stch_value(L, 1.0).dtype == torch.float64
+    assert math.isclose(float(stch_value(L, 1.0)), math.log(float((1 / S).sum())), rel_tol=1e-12)
+    bf = torch.tensor([[150.0, 2.0], [3.0, 0.5]], dtype=torch.bfloat16, requires_grad=True)
+    stch_value(bf, 1e-2).backward()
+    assert float(bf.grad.double().sum()) == pytest.approx(1.0, abs=1e-2)
+
+
+@pytest.mark.parametrize("bad", [[[float("nan"), 1.0]], [[float("inf")], [float("inf")]], [[1.0], [float("-inf")]]])
+def test_stch_value_rejects_non_finite_losses(bad):
+    with pytest.raises(ValueError, match="non-finite entries at"):
+        stch_value(torch.tensor(bad), 0.1)
+
+
+@pytest.mark.parametrize("mu", [0.0, -1.0, float("nan"), float("inf")])
+def test_stch_value_rejects_bad_mu(mu):
+    with pytest.raises(ValueError, match="algorithm.mu"):
+        stch_value(torch.ones(2, 2), mu)
+
+
+@pytest.mark.parametrize("shape", [(3,), (0, 2), (2, 0), (1, 2, 2)])
+def test_stch_value_rejects_non_matrix(shape):
+    with pytest.raises(ValueError, match=r"\(M, K\) matrix"):
+        stch_value(torch.ones(shape), 0.1)

@@ -67,7 +67,8 @@ def test_same_seed_same_results_different_seed_differs(tmp_path):
         ("algorithm.mu=0", "algorithm.mu"),
         ("algorithm.mu=-1", "algorithm.mu"),
         ("rounds=0", "rounds"),
-        ("partition.alpha=0", "partition.alpha"),
+        ("partition=dirichlet partition.alpha=0", "partition.alpha"),
+        ("partition.within=dirichlet partition.alpha=0", "partition.alpha"),
         ("dataset=nosuchset", "dataset"),
         ("algorithm.K=30", "algorithm.K"),
     ],
@@ -75,7 +76,7 @@ def test_same_seed_same_results_different_seed_differs(tmp_path):
 def test_invalid_values_stop_before_training(tmp_path, override, key):
     run_dir = tmp_path / "run"
     start = time.perf_counter()
-    proc = train(f"hydra.run.dir={run_dir}", override, "logger=none", timeout=120)
+    proc = train(f"hydra.run.dir={run_dir}", *override.split(), "logger=none", timeout=120)
     assert proc.returncode != 0
     assert key in proc.stderr
     assert time.perf_counter() - start < 60

@@ -15,7 +15,10 @@ CLI::
         --time 00:10:00 --partition debug --job-name x --output path --workdir dir \\
         --python /path/python -- algorithm=fedfew dataset=cifar10
     # add --submit to write the script to a file (--script PATH, default: a temp file)
-    # and submit it with ``sbatch --parsable``; the job id is printed on stdout.
+    # and submit it with ``sbatch --parsable``; the job id is printed on stdout, and the run
+    # folder, the log file and the command to follow it on stderr.
+    # add --check to run ``<python> -m fedfew.check <the job's overrides>`` first (the checks
+    # ``python -m fedfew.train`` makes before loading data): a bad config is never submitted.
 
 Placeholders filled in the template: job_name, nodes, ntasks_per_node, gpu_line (the
 ``#SBATCH --gpus-per-node`` line, dropped entirely when gpus_per_node == 0), cpus_per_task,
@@ -240,6 +243,37 @@ def submit(script_text: str, script_path: str | os.PathLike | None = None, sbatc
     return job_id
 
 
+def job_overrides(overrides: list[str], nodes: Any, ntasks_per_node: Any) -> list[str]:
+    """The Hydra overrides the job's ``srun python -m fedfew.train`` gets (the template appends
+    ``trainer.num_nodes`` and ``trainer.devices`` from the allocation; ``hydra.run.dir`` aside)."""
+    return [*overrides, f"trainer.num_nodes={nodes}", f"trainer.devices={ntasks_per_node}"]
+
+
+def check_config(python: str, overrides: list[str], workdir: str | os.PathLike = ".") -> tuple[bool, str]:
+    """Run ``python -m fedfew.check <overrides>`` in ``workdir`` (no data loaded, no job made).
+
+    Returns:
+        (ok, what it printed: its ``config ok: ...`` line, or its error).
+    """
+    try:
+        proc = subprocess.run([python, "-m", "fedfew.check", *overrides], capture_output=True, text=True,
+                              cwd=workdir, timeout=300)
+    except FileNotFoundError as exc:
+        return False, f"cannot run {python}: {exc}"
+    except subprocess.TimeoutExpired:
+        return False, f"{python} -m fedfew.check did not finish within 300 s"
+    return proc.returncode == 0, (proc.stdout if proc.returncode == 0 else proc.stderr or proc.stdout).strip()
+
+
+def where(job_id: str, output: str, run_root: str, workdir: str | os.PathLike = ".") -> dict[str, Path]:
+    """The job's log file (``output`` with %j = job id) and run folder (``run_root/<job id>``),
+    absolute (relative paths are taken from the job's ``workdir``)."""
+    base = Path(workdir).expanduser().resolve()
+    log = Path(output.replace("%j", job_id).replace("%J", job_id)).expanduser()
+    run = Path(run_root).expanduser() / job_id
+    return {"log": log if log.is_absolute() else base / log, "run": run if run.is_absolute() else base / run}
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Render the FedFew sbatch script (and optionally submit it). "
@@ -261,6 +295,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--template", default=None, help=f"template path (default {TEMPLATE_PATH})")
     p.add_argument("--submit", action="store_true", help="write the script and submit it with sbatch --parsable")
     p.add_argument("--script", default=None, help="with --submit: where to write the script (default: temp file)")
+    p.add_argument("--check", action="store_true",
+                   help="with --submit: first run `PYTHON -m fedfew.check` on the job's overrides (as `make train` "
+                   "checks before loading data); a failing check submits nothing (exit 2)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides (after --)")
     return p
 
@@ -292,12 +329,23 @@ def main(argv: list[str] | None = None) -> int:
     if not ns.submit:
         sys.stdout.write(text)
         return 0
+    if ns.check:
+        ok, said = check_config(ns.python, job_overrides(ns.overrides, ns.nodes, ns.ntasks_per_node), ns.workdir)
+        if not ok:
+            print(f"{said}\nrender.py: nothing submitted: the run config failed the check "
+                  f"(`{ns.python} -m fedfew.check ...`, the checks of `make train`)", file=sys.stderr)
+            return 2
+        print(said, file=sys.stderr, flush=True)
     try:
         job_id = submit(text, ns.script)
     except RuntimeError as exc:
         print(f"render.py: error: {exc}", file=sys.stderr)
         return 1
-    print(job_id)
+    print(job_id, flush=True)
+    paths = where(job_id, ns.output, ns.run_root, ns.workdir)
+    print(f"submitted job {job_id}\n  run folder: {paths['run']}\n  log:        {paths['log']}\n"
+          f"  follow:     tail -F {paths['log']}   (queue: squeue -j {job_id}; cancel: scancel {job_id})",
+          file=sys.stderr, flush=True)
     return 0
 
 

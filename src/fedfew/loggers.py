@@ -15,6 +15,8 @@ W&B never blocks or crashes a run:
 """
 from __future__ import annotations
 
+import csv
+import io
 import netrc
 import os
 import warnings
@@ -22,6 +24,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lightning.fabric.loggers import Logger
+from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers import CSVLogger  # the Fabric one cannot log hyperparameters
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from omegaconf import DictConfig, OmegaConf
 
 
@@ -30,9 +35,62 @@ def _none(cfg: DictConfig, run_dir: Path) -> list:
 
 
 def _csv(cfg: DictConfig, run_dir: Path) -> list:
-    from lightning.pytorch.loggers import CSVLogger  # the Fabric one cannot log hyperparameters
+    # written every round (Lightning's default buffers 100 steps, which a stopped run would lose)
+    return [RoundCSVLogger(save_dir=str(run_dir), name="logs", version="", flush_logs_every_n_steps=1)]
 
-    return [CSVLogger(save_dir=str(run_dir), name="logs", version="")]
+
+class _KeepingWriter(ExperimentWriter):
+    """Lightning's CSV writer without its start-up deletion of ``metrics.csv``: rows are
+    appended (the header rewritten when new columns appear, as Lightning does)."""
+
+    def _check_log_dir_exists(self) -> None:  # Lightning deletes metrics.csv here
+        pass
+
+    def keep_before(self, step: int) -> int:
+        """Drop the rows of ``step`` and later (the rounds after a resumed checkpoint, which run
+        again); keep the others and their columns. Returns the number of rows kept."""
+        path = Path(self.metrics_file_path)
+        if not path.is_file():
+            return 0
+        with path.open(newline="") as fh:
+            reader = csv.DictReader(fh)
+            fields, rows = list(reader.fieldnames or []), list(reader)
+        keep = [r for r in rows if r.get("step") not in (None, "") and float(r["step"]) < step]
+        fields = sorted(fields)  # Lightning appends rows in sorted column order
+        if not keep:
+            path.unlink()
+            fields = []
+        elif len(keep) != len(rows) or fields != list(reader.fieldnames or []):
+            from fedfew.io import atomic_write_text
+
+            buf = io.StringIO()
+            writer = csv.DictWriter(buf, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(keep)
+            atomic_write_text(path, buf.getvalue())
+        self.metrics_keys = fields
+        return len(keep)
+
+
+class RoundCSVLogger(CSVLogger):
+    """Lightning's CSVLogger into ``<run_dir>/logs`` (``metrics.csv``: one row per round,
+    ``step`` = round; ``hparams.yaml``) that never deletes the rows of earlier rounds: a resumed
+    run keeps those before its checkpoint (:meth:`start_at`) and appends its own. (Lightning's
+    own deletes ``metrics.csv`` whenever the folder already holds files.)"""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> _KeepingWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _KeepingWriter(log_dir=self.log_dir)
+        return self._experiment
+
+    def start_at(self, round: int) -> int:
+        """The run logs from ``round`` on: keep the rows of earlier rounds (those before a resumed
+        checkpoint; none for a fresh run, ``round`` = 1). Returns the number of rows kept."""
+        self.experiment.metrics = []
+        return self.experiment.keep_before(int(round))
 
 
 def has_wandb_credentials() -> bool:

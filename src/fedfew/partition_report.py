@@ -18,8 +18,6 @@ into the run directory, before the first round.
 from __future__ import annotations
 
 import io
-import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
-from fedfew.io import atomic_write_json
+from fedfew.io import atomic_write_bytes, atomic_write_json
 
 __all__ = ["PartitionReport", "build_report", "partition_line", "partition_table", "write_heatmap"]
 
@@ -48,16 +46,6 @@ def build_report(sim) -> dict[str, Any]:
     }
 
 
-def _atomic_write_bytes(path: Path, payload: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(payload)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_heatmap(report: dict[str, Any], path: str | Path) -> Path:
@@ -102,7 +90,7 @@ def write_heatmap(report: dict[str, Any], path: str | Path) -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     path = Path(path)
-    _atomic_write_bytes(path, buf.getvalue())
+    atomic_write_bytes(path, buf.getvalue())
     return path
 
 

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -35,6 +33,8 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from fedfew.io import atomic_write_bytes
 
 #: clients drawn as individual lines in the alpha plot (above: the image only)
 MAX_LINES = 30
@@ -346,15 +346,7 @@ def save_figure(fig: Figure, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(buf.getvalue())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write_bytes(path, buf.getvalue())  # mode 0666 & ~umask, like any result file
 
 
 def figures(history: dict[str, Any], w_rounds: Iterable[int] | None = None) -> dict[str, Callable[[], Figure | None]]:

@@ -22,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms.base import Algorithm, Context
-from fedfew.checkpoint import StopSignal, checkpoint_path, rng_states, save_checkpoint, set_rng_states
+from fedfew.checkpoint import (StopSignal, check_resume_config, checkpoint_path, rng_states, save_checkpoint,
+                               set_rng_states)
 from fedfew.data.base import FederatedData
 from fedfew.data.federated import build_federated_data, to_device
 from fedfew.distributed import all_reduce_, gather_rows, merge_dicts
@@ -117,7 +118,7 @@ class Simulation:
         self.start_round = 1
         self.wall_time_s = 0.0
         self.logger_state: dict[str, Any] = {}  # e.g. the W&B run id, kept across resumes
-        self.stop_signal = StopSignal()
+        self.stop_signal = StopSignal(announce=fabric.global_rank == 0)
         self._owned: set[int] | None = None
 
     @property
@@ -170,6 +171,7 @@ class Simulation:
         """
         return {
             "round": rnd,
+            "config": OmegaConf.to_container(self.cfg, resolve=True),  # checked on resume
             "models": self.module.models.state_dict(),
             "algorithm": self.algorithm.state_dict(),
             "host_state": self.ctx.host_state if host_state is None else host_state,
@@ -185,8 +187,11 @@ class Simulation:
         """Continue from a checkpoint: the next round is ``state["round"] + 1``.
 
         Raises:
+            ResumeError: (a ValueError) this run's config differs from the checkpoint's in a key
+                that changes results (:func:`fedfew.checkpoint.check_resume_config`).
             ValueError: the checkpoint was made on a different partition.
         """
+        check_resume_config(state, self.cfg)
         if state["partition_hash"] != self.host_data.partition_hash:
             raise ValueError(
                 "resume: the checkpoint's partition differs from this run's (different seed, dataset, "
@@ -217,8 +222,9 @@ class Simulation:
 
     def fit(self) -> dict[str, Any]:
         """Run every round, evaluating every ``eval_every`` rounds and after the last one;
-        checkpoint every ``checkpoint_every`` rounds and when SIGTERM/SIGUSR1 arrives (then
-        stop after the current round, returning ``{"interrupted": True, ...}``).
+        checkpoint every ``checkpoint_every`` rounds and when SIGTERM/SIGUSR1/SIGINT arrives (then
+        stop after the current round, returning ``{"interrupted": True, ...}``; a second SIGINT
+        raises KeyboardInterrupt at once).
 
         Returns:
             the final evaluation (``clients``, ``summary``), last logs and timings.

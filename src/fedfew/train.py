@@ -41,6 +41,30 @@ def make_fabric(cfg: DictConfig, run_dir: Path):
     )
 
 
+def check_registered(kind: str, package: str, name: str) -> None:
+    """Whether ``name`` is registered in ``package``'s registry (:mod:`fedfew.registry`), read
+    from the sources without importing them (importing every algorithm pulls in Lightning, seconds
+    on a login node): by the project's rule the implementation of ``name`` is the module
+    ``<package>/<name>.py`` and registers itself with ``register("<name>")``.
+
+    Raises:
+        ValueError: unknown name; the message lists the available ones, as ``Registry.get`` does.
+    """
+    import importlib.util
+    import pkgutil
+
+    spec = importlib.util.find_spec(package)  # imports the parent packages only
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    available = sorted(
+        info.name for info in pkgutil.iter_modules(locations)
+        if not info.name.startswith("_") and any(
+            f'register("{info.name}")' in (Path(loc) / f"{info.name}.py").read_text(encoding="utf-8")
+            for loc in locations if (Path(loc) / f"{info.name}.py").is_file())
+    )
+    if name not in available:
+        raise ValueError(f"unknown {kind} '{name}'; available: {', '.join(available)} (set `{kind}=<one of these>`)")
+
+
 @dataclass
 class Preflight:
     """What :func:`preflight` found: the checkpoint to resume from (path and content) and the
@@ -67,13 +91,10 @@ def preflight(cfg: DictConfig, run_dir: Path | None) -> Preflight:
         problem the user fixes, named in the message.
     """
     validate_config(cfg)
-    from fedfew.algorithms import ALGORITHMS
-    from fedfew.data.datasets import DATASETS
-    from fedfew.models import MODELS
-
-    DATASETS.get(cfg.dataset.name)
-    MODELS.get(cfg.model.name)
-    ALGORITHMS.get(cfg.algorithm.name)
+    for kind, package, name in (("dataset", "fedfew.data.datasets", cfg.dataset.name),
+                                ("model", "fedfew.models", cfg.model.name),
+                                ("algorithm", "fedfew.algorithms", cfg.algorithm.name)):
+        check_registered(kind, package, name)
     resume = cfg.get("resume")
     if run_dir is None and resume == "auto":
         return Preflight()  # the job's own run folder: nothing there yet

@@ -62,14 +62,18 @@ def train_scalars(logs: dict[str, Any]) -> dict[str, float]:
         loss = loss if loss.dim() == 2 else loss.reshape(len(loss), -1)
         out["train_loss_mean"] = float(loss.mean())
         out["train_loss_best_mean"] = float(loss.min(dim=1).values.mean())
+    ids = logs.get("model_ids")  # FedFew: original model ids (K=auto retires models; a column keeps its model)
     for name in PER_MODEL_KEYS:
         if isinstance(logs.get(name), torch.Tensor):
-            out.update({f"{name}/{k}": float(v) for k, v in enumerate(logs[name].tolist())})
+            out.update({f"{name}/{k}": float(v) for k, v in zip(ids or range(len(logs[name])), logs[name].tolist())})
     if isinstance(logs.get("assignment"), torch.Tensor):
-        minlength = len(logs["effective_step"]) if isinstance(logs.get("effective_step"), torch.Tensor) else 0
-        served = torch.bincount(logs["assignment"].long().flatten(), minlength=minlength)
-        for k, v in enumerate(served.tolist()):
-            out[f"clients_served/{k}"] = v
+        assignment = logs["assignment"].long().flatten()
+        if ids is not None:  # the assignment holds model ids
+            out.update({f"clients_served/{k}": int((assignment == k).sum()) for k in ids})
+        else:
+            minlength = len(logs["effective_step"]) if isinstance(logs.get("effective_step"), torch.Tensor) else 0
+            for k, v in enumerate(torch.bincount(assignment, minlength=minlength).tolist()):
+                out[f"clients_served/{k}"] = v
     num_participants = len(logs.get("participants") or [])
     for key, value in logs.items():
         if key in STANDARD_LOG_KEYS or key in out:
@@ -93,6 +97,15 @@ def eval_scalars(evaluation: dict[str, Any] | None) -> dict[str, float]:
         if key not in out and _is_scalar(value):
             out[key] = float(value)
     return out
+
+
+def metrics_row(logs: dict[str, Any], evaluation: dict[str, Any] | None) -> dict[str, Any]:
+    """One metrics.csv row: :func:`round_scalars` plus, in a round where K=auto retired a
+    model, its ``model_set_change`` text (fedfew.auto_k)."""
+    row: dict[str, Any] = round_scalars(logs, evaluation)
+    if logs.get("model_set_change"):
+        row["model_set_change"] = str(logs["model_set_change"])
+    return row
 
 
 def round_scalars(logs: dict[str, Any], evaluation: dict[str, Any] | None) -> dict[str, float]:
@@ -139,7 +152,10 @@ def build_history(sim, rounds: list[dict[str, Any]], evaluations: list[dict[str,
          "evaluations": [{"round", "summary", "acc" (M), "model" (M)}]}
 
     Per-participant vectors (alpha, rows of w and loss, assignment) follow the order of that
-    round's ``participants``.
+    round's ``participants``. Model ids: ``K`` is the number of server models at the start (ids
+    0..K-1) and ``model_ids`` those left at the end; under FedFew's ``K=auto`` a round's record
+    also holds its ``model_ids`` (the columns of its w, loss and per-model vectors, and the
+    values of its assignment), ``K`` and, when a model was retired after it, ``model_set_change``.
     """
     cfg = sim.cfg
     return {
@@ -147,7 +163,8 @@ def build_history(sim, rounds: list[dict[str, Any]], evaluations: list[dict[str,
         "algorithm": str(cfg.algorithm.name),
         "dataset": str(cfg.dataset.name),
         "num_clients": int(sim.num_clients),
-        "K": int(sim.module.K),
+        "K": int(getattr(sim.module, "initial_K", sim.module.K)),  # model ids 0..K-1 (K=auto: K_max)
+        "model_ids": list(getattr(sim.module, "model_ids", range(sim.module.K))),  # the models left at the end
         "num_classes": int(sim.host_data.num_classes),
         "clients": clients,
         "rounds": rounds,
@@ -192,7 +209,7 @@ class ResultFiles:
         before = [logs for logs in getattr(sim, "history", []) if logs.get("round", 0) < start]
         summaries = {int(e["round"]): {k: v for k, v in e.items() if k != "round"}
                      for e in getattr(sim, "evaluations", []) if e.get("round", 0) < start}
-        self.rows = [round_scalars(logs, {"summary": summaries[logs["round"]]} if logs["round"] in summaries else None)
+        self.rows = [metrics_row(logs, {"summary": summaries[logs["round"]]} if logs["round"] in summaries else None)
                      for logs in before]
         self.rounds = [round_record(logs) for logs in before] if before else rounds
         known = {e["round"] for e in evaluations}
@@ -203,7 +220,7 @@ class ResultFiles:
     def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
         if sim.fabric.global_rank != 0:
             return
-        self.rows.append(round_scalars(logs, evaluation))
+        self.rows.append(metrics_row(logs, evaluation))
         fields: list[str] = []
         for row in self.rows:
             fields += [k for k in row if k not in fields]
@@ -450,6 +467,20 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def models_line(summary: dict[str, Any]) -> str:
+    """How many server models serve clients, e.g. "models serving clients: 4 of 4 (clients per model
+    [5, 5, 5, 5]); assignment vs the true groups: ARI 1.000"."""
+    served = summary["models_served"]
+    line = f"clients per model {served}"
+    if len(served) > 1:
+        line = f"models serving clients: {sum(1 for n in served if n)} of {len(served)} ({line})"
+    if summary.get("assignment_ari") is not None:
+        line += f"; assignment vs the true groups: ARI {summary['assignment_ari']:.3f}"
+    if summary.get("collapse_warnings"):
+        line += f"; {len(summary['collapse_warnings'])} collapse warning(s) (summary.collapse_warnings)"
+    return line
+
+
 def summary_lines(results: dict[str, Any]) -> list[str]:
     """The headline figures of a run's results, one finding per line (printed under the table;
     append a line here to add one): accuracy, clients per model, speed."""
@@ -457,8 +488,25 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
     lines = [
         f"client-mean acc {s['acc_mean']:.4f} ± {s['acc_std']:.4f} (min {s['acc_min']:.4f}, max {s['acc_max']:.4f}); "
         f"sample-weighted {s['acc_weighted']:.4f}; majority-label baseline {s['majority_acc_mean']:.4f}",
-        f"clients per model {s['models_served']}",
+        models_line(s),
     ]
+    if s.get("K_changes") is not None:  # FedFew K=auto (fedfew.auto_k)
+        retired = ", ".join(f"{c['model']} at round {c['round']} ({c['reason']}"
+                            + (f" of {c['partner']})" if c.get("partner") is not None else ")") for c in s["K_changes"])
+        lines.append(f"K=auto: {s['K']} of {s['K_initial']} models left, ids {s['model_ids']}; retired: {retired or 'none'}")
+    if s.get("optimistic"):
+        lines.append(f"protocol {s.get('protocol')}: OPTIMISTIC, the best of the evaluation rounds on test data "
+                     f"(round {s.get('best_round')}; the final round scored {s.get('final_round_acc_mean', float('nan')):.4f})")
+    elif s.get("protocol", "final") != "final" or s.get("eval_split", "test") != "test":
+        lines.append(f"protocol {s.get('protocol')}, scored on the {s.get('eval_split')} split")
+    if "balanced_acc_mean" in s:
+        lines.append(f"balanced accuracy {s['balanced_acc_mean']:.4f}, macro-F1 {s['macro_f1_mean']:.4f} (client means)")
+    budget = results.get("budget")
+    if budget:
+        steps = "" if budget.get("local_steps") is None else f", {budget['local_steps']:,} local SGD steps"
+        lines.append(f"budget: {budget['rounds']} rounds, {budget['server_models']} server model(s), "
+                     f"{budget['bytes_up_per_round'] / 1e6:.3f} MB up / {budget['bytes_down_per_round'] / 1e6:.3f} MB down "
+                     f"per round{steps}")
     speed = f"speed: wall {results['seconds_per_round']:.2f} s/round (training, evaluation, logging)"
     if results.get("train_seconds_per_round") is not None:
         speed += f"; train {results['train_seconds_per_round']:.2f} s/round (local training and aggregation)"

@@ -127,15 +127,17 @@ GPU_CHECK_ARGS ?=
 gpu-check:
 	bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
 
+# into $(GPU_WHEELS_DIR).tmp first: a failed download leaves the previous folder as it was
 gpu-wheels:
-	rm -rf $(GPU_WHEELS_DIR).tmp && mkdir -p $(GPU_WHEELS_DIR).tmp
+	@set -e; tmp=$(GPU_WHEELS_DIR).tmp; trap 'rm -rf "$$tmp"' EXIT; rm -rf "$$tmp"; mkdir -p "$$tmp"; \
+	echo "pip download $(GPU_WHEELS) $(GPU_WHEELS_EXTRA)"; \
 	$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: $(GPU_PIP_TARGET) \
-		-d $(GPU_WHEELS_DIR).tmp $(GPU_WHEELS) $(GPU_WHEELS_EXTRA)
-	$(PYTHON) -m pip wheel --quiet --disable-pip-version-check --no-deps -w $(GPU_WHEELS_DIR).tmp $(GPU_WHEELS_SDIST)
-	@for w in $(GPU_WHEELS_DIR).tmp/*.whl; do case "$$w" in *-none-any.whl|*manylinux*x86_64.whl) ;; \
-		*) echo "gpu-wheels: $$w is built for this machine, not for CPython 3.12 x86-64" >&2; exit 1;; esac; done
-	rm -rf $(GPU_WHEELS_DIR) && mv $(GPU_WHEELS_DIR).tmp $(GPU_WHEELS_DIR)
-	@ls $(GPU_WHEELS_DIR); du -sh $(GPU_WHEELS_DIR)
+		-d "$$tmp" $(GPU_WHEELS) $(GPU_WHEELS_EXTRA); \
+	echo "pip wheel $(GPU_WHEELS_SDIST)"; \
+	$(PYTHON) -m pip wheel --quiet --disable-pip-version-check --no-deps -w "$$tmp" $(GPU_WHEELS_SDIST); \
+	for w in "$$tmp"/*.whl; do case "$$w" in *-none-any.whl|*manylinux*x86_64.whl) ;; \
+		*) echo "gpu-wheels: $$w is built for this machine, not for CPython 3.12 x86-64" >&2; exit 1;; esac; done; \
+	rm -rf $(GPU_WHEELS_DIR); mv "$$tmp" $(GPU_WHEELS_DIR); ls $(GPU_WHEELS_DIR); du -sh $(GPU_WHEELS_DIR)
 
 # the CIFAR-10 tarballs (~19 MB) from the data directory (DATA_DIR, FEDFEW_DATA_DIR or ../shared/data)
 gpu-data:
@@ -144,6 +146,6 @@ gpu-data:
 		echo "gpu-data: no cifar10_train_jpg.tar.gz + cifar10_test_jpg.tar.gz in '$$src'; set DATA_DIR=<data directory>" >&2; \
 		exit 1; \
 	fi; \
-	rm -rf $(GPU_DATA_DIR).tmp && mkdir -p $(GPU_DATA_DIR).tmp/cifar10 && \
-	cp "$$src/cifar10_train_jpg.tar.gz" "$$src/cifar10_test_jpg.tar.gz" $(GPU_DATA_DIR).tmp/cifar10/ && \
-	rm -rf $(GPU_DATA_DIR) && mv $(GPU_DATA_DIR).tmp $(GPU_DATA_DIR) && du -sh $(GPU_DATA_DIR)
+	set -e; tmp=$(GPU_DATA_DIR).tmp; trap 'rm -rf "$$tmp"' EXIT; rm -rf "$$tmp"; mkdir -p "$$tmp/cifar10"; \
+	cp "$$src/cifar10_train_jpg.tar.gz" "$$src/cifar10_test_jpg.tar.gz" "$$tmp/cifar10/"; \
+	rm -rf $(GPU_DATA_DIR); mv "$$tmp" $(GPU_DATA_DIR); du -sh $(GPU_DATA_DIR)

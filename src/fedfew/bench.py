@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -137,6 +138,17 @@ def _client_bounds(pool: int, num_clients: int, sizes=None):
     return np.concatenate([[0], np.cumsum(per_client)]).astype(np.int64)
 
 
+@functools.lru_cache(maxsize=2)
+def _random_pool(pool: int, shape: tuple[int, ...], classes: int, seed: int):
+    """(pool, *shape) standard-normal inputs and (pool,) labels, drawn once per process for each
+    setting (the gpu-check's cases share one 60,000-image pool instead of drawing it a dozen
+    times); the tensors are read, never written."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((pool, *shape), generator=g), torch.randint(0, classes, (pool,), generator=g)
+
+
 def synthetic_images(pool: int, num_clients: int, seed: int = 0, shape=(3, 32, 32), classes: int = 10,
                      sizes=None):
     """CIFAR-10-shaped :class:`FederatedData`: ``pool`` random images split evenly among the
@@ -153,9 +165,7 @@ def synthetic_images(pool: int, num_clients: int, seed: int = 0, shape=(3, 32, 3
 
     bounds = _client_bounds(pool, num_clients, sizes)
     pool = int(bounds[-1])
-    g = torch.Generator().manual_seed(seed)
-    inputs = torch.randn((pool, *shape), generator=g)
-    targets = torch.randint(0, classes, (pool,), generator=g)
+    inputs, targets = _random_pool(pool, tuple(shape), classes, seed)
     clients = []
     for i in range(num_clients):
         ids = np.arange(bounds[i], bounds[i + 1], dtype=np.int64)

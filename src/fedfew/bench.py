@@ -1447,8 +1447,9 @@ def check_memory(ctx: CheckContext) -> dict:
         out["ratio_M"] = {str(M): v / ref for (M, K), v in sorted(fixed.items()) if K == K0}
         out["ratio_K"] = {str(K): v / ref for (M, K), v in sorted(fixed.items()) if M == M0}
         largest = max(M for M, K in fixed if K == K0)
-        out["largest_M"] = largest
-        out["ratio_largest_M"] = fixed[(largest, K0)] / ref
+        if largest > M0:  # else nothing to compare (the other points ran out of time)
+            out["largest_M"] = largest
+            out["ratio_largest_M"] = fixed[(largest, K0)] / ref
     return out
 
 
@@ -1576,8 +1577,8 @@ CHECKS = {"correctness": check_correctness, "speed": check_speed, "memory": chec
 def gpu_check_run(plan: dict) -> int:
     """The runner process: every section of ``plan["sections"]`` in order, each with its own
     deadline (its cap, but no later than the run's end -- ``plan["started"]`` plus the
-    budget -- less the time kept for the sections after it); a section's exception is
-    reported and the next one runs. Its first event names the mode (cuda | cpu) and the end."""
+    budget -- less the time kept for the sections after it, at most half of what is left); a
+    section's exception is reported and the next one runs. Its first event names the mode (cuda | cpu) and the end."""
     import gc
     import traceback
 
@@ -1597,7 +1598,9 @@ def gpu_check_run(plan: dict) -> int:
     # tests of the driver's recovery: FEDFEW_GPU_CHECK_FAULT=<section>:crash ends this process there
     fault = os.environ.get("FEDFEW_GPU_CHECK_FAULT", "")
     for i, name in enumerate(sections):
-        keep = sum(sizes.keep[s] for s in sections[i + 1:])
+        # time kept back for the later sections, but never more than half of what is left (a
+        # budget too small for every section still runs the first ones: correctness first)
+        keep = min(sum(sizes.keep[s] for s in sections[i + 1:]), 0.5 * max(0.0, end - time.time()))
         ctx.section = name
         ctx.deadline = min(time.time() + sizes.caps[name], end - keep)
         _emit(name, "start", deadline=ctx.deadline)

@@ -1205,9 +1205,11 @@ class CheckContext:
         _emit(self.section, "partial", result=result)
 
     def spec(self, **fields: Any) -> dict:
+        """A :func:`build_case_sim` / :func:`case_round` spec on this device."""
         return {"device": self.device, "compile": False, **fields}
 
     def vmap_overrides(self, clients: str | None = None) -> list[str]:
+        """The override setting the vmap engine's clients per chunk (default: the mode's)."""
         # ++: add the key or override it (older configs lack ``engine_clients``)
         return [f"++engine_clients={clients or self.sizes.engine_clients}"]
 
@@ -1236,7 +1238,8 @@ class CheckContext:
     def cifar(self, M: int) -> tuple[Any, str]:
         """CIFAR-10 partitioned as in the paper (Dirichlet 0.5 over M clients) and a line
         saying what it is: the real images when the data process delivered them, else
-        CIFAR-10-shaped random tensors (accuracy then stays at chance)."""
+        CIFAR-10-shaped random tensors (accuracy then stays at chance; not kept when the data
+        was merely late, so a later section looks again)."""
         if M not in self._cifar:
             status = self._data_status()
             if status and status.get("ok"):
@@ -1250,6 +1253,8 @@ class CheckContext:
                 data = synthetic_images(self.sizes.cifar_pool, M)
                 what = (f"synthetic CIFAR-10-shaped tensors ({self.sizes.cifar_pool:,} samples, random labels: "
                         f"accuracy stays at chance) because the real data is missing: {reason}")
+                if status is not None and "not ready" in reason:
+                    return data, what
             self._cifar[M] = (data, what)
         return self._cifar[M]
 

@@ -68,8 +68,21 @@ RULES: list[Rule] = [
          lambda c: "embed_init_std" in c.model),
     Rule("model.embed_lr_scale", "number > 0 (SGD speed of the word vectors relative to the other weights)",
          lambda v: _is_number(v) and v > 0, lambda c: "embed_lr_scale" in c.model),
-    Rule("algorithm.K", "integer >= 1", lambda v: _is_int(v) and v >= 1, lambda c: "K" in c.algorithm),
+    Rule("algorithm.K", "integer >= 1, or auto (fedfew: start with K_max models, retire redundant ones)",
+         lambda v: (_is_int(v) and v >= 1) or v == "auto", lambda c: "K" in c.algorithm),
+    Rule("algorithm.K_max", "integer >= 1 and <= num_clients (K=auto: models at the start)",
+         lambda v: _is_int(v) and v >= 1, lambda c: "K_max" in c.algorithm),
+    Rule("algorithm.K_min", "integer >= 1 and <= K_max (K=auto: models never retired below)",
+         lambda v: _is_int(v) and v >= 1, lambda c: "K_min" in c.algorithm),
+    Rule("algorithm.auto_patience", "integer >= 1 (K=auto: rounds in a row a model is redundant before it is retired)",
+         lambda v: _is_int(v) and v >= 1, lambda c: "auto_patience" in c.algorithm),
     Rule("algorithm.mu", "number > 0", lambda v: _is_number(v) and v > 0, lambda c: "mu" in c.algorithm),
+    Rule("algorithm.mu_schedule", "constant | cosine | exponential | loss (fedfew: mu over rounds)",
+         lambda v: v in ("constant", "cosine", "exponential", "loss"), lambda c: "mu_schedule" in c.algorithm),
+    Rule("algorithm.mu_end", "number > 0 (cosine, exponential: the last round's mu; <= mu)",
+         lambda v: _is_number(v) and v > 0, lambda c: "mu_end" in c.algorithm),
+    Rule("algorithm.mu_ratio", "number > 0 (mu_schedule=loss: mu as a fraction of the mean best loss)",
+         lambda v: _is_number(v) and v > 0, lambda c: "mu_ratio" in c.algorithm),
     Rule("algorithm.server_lr", "number > 0", lambda v: _is_number(v) and v > 0, lambda c: "server_lr" in c.algorithm),
     # baselines' own keys (each is checked where the algorithm has it)
     Rule("algorithm.lam", "number >= 0 (ditto, fedamp, fedmtl, fedsoft)", lambda v: _is_number(v) and v >= 0,
@@ -157,6 +170,21 @@ def validate_config(cfg: DictConfig) -> None:
             f"  algorithm.K={K} > num_clients={M}: more shared models than clients leaves models that no "
             "client can select; use K <= num_clients"
         )
+    if K == "auto":  # fedfew.auto_k
+        K_max, K_min = _lookup(cfg, "algorithm.K_max"), _lookup(cfg, "algorithm.K_min")
+        if K_max is _MISSING:
+            problems.append(f"  algorithm.K=auto: algorithm={_lookup(cfg, 'algorithm.name')} has no automatic K (only "
+                            "fedfew and fedfew_reference, which have algorithm.K_max); give an integer algorithm.K")
+        elif _is_int(K_max) and _is_int(M) and K_max > M and cfg.partition.name != "natural":
+            problems.append(f"  algorithm.K_max={K_max} > num_clients={M}: K=auto starts with K_max models and a "
+                            "model no client can select is wasted; use K_max <= num_clients")
+        if _is_int(K_max) and _is_int(K_min) and K_min > K_max:
+            problems.append(f"  algorithm.K_min={K_min} > algorithm.K_max={K_max}: K=auto keeps between K_min and "
+                            "K_max models; use K_min <= K_max")
+    schedule, mu, mu_end = (_lookup(cfg, f"algorithm.{k}") for k in ("mu_schedule", "mu", "mu_end"))
+    if schedule in ("cosine", "exponential") and _is_number(mu) and _is_number(mu_end) and mu_end > mu:
+        problems.append(f"  algorithm.mu_end={mu_end!r} > algorithm.mu={mu!r} with mu_schedule={schedule}: the schedule "
+                        "decreases mu from algorithm.mu to mu_end; use mu_end <= mu (or mu_schedule=constant)")
     if cfg.partition.name == "clustered":
         G = _lookup(cfg, "partition.groups")
         if _is_int(G) and _is_int(M) and G > M:
@@ -195,6 +223,8 @@ def rules_markdown() -> str:
     lines = ["| key | allowed |", "|---|---|"]
     lines += [f"| `{rule.key}` | {rule.allowed} |" for rule in RULES]
     lines.append("| `algorithm.K` vs `num_clients` | K <= M (a model no client can select is wasted) |")
+    lines.append("| `algorithm.K=auto` | only where the algorithm has `K_max` (fedfew); K_min <= K_max <= M |")
+    lines.append("| `algorithm.mu_end` vs `algorithm.mu` | mu_end <= mu with mu_schedule=cosine or exponential |")
     lines.append("| `algorithm.sigma` vs `algorithm.K` | sigma <= 1/K where both exist (fedsoft's importance floor) |")
     lines.append("| `partition.groups` vs `num_clients` | groups <= M; rotate: groups <= 4 and image data |")
     lines.append("| `algorithm=oracle` vs `partition` | the oracle needs partition=clustered |")

@@ -55,7 +55,9 @@ def evaluate_clients(
              alg.model_assignment(client, best), group], dtype=torch.float64
         )
     table = gather_rows(rows, num_clients, torch.zeros(len(_COLUMNS), dtype=torch.float64, device=device)).cpu()
-    return summarize(table, num_candidates=len(alg.candidates(ctx.data.clients[0])), num_models=ctx.module.K)
+    # models_served has one entry per model id, retired ones (K=auto) included
+    return summarize(table, num_candidates=len(alg.candidates(ctx.data.clients[0])),
+                     num_models=getattr(ctx.module, "initial_K", ctx.module.K))
 
 
 def summarize(table: torch.Tensor, num_candidates: int, num_models: int | None = None) -> dict[str, Any]:

@@ -143,6 +143,10 @@ class KModelSet(L.LightningModule):
                 torch.manual_seed(derive_seed(seed, "init", 0 if init == "identical" else k))
                 models.append(build_model())
         self.models = nn.ModuleList(models)
+        #: original id of each model in ``models`` (0..K-1 at the start; :meth:`retire_` keeps the
+        #: survivors' ids, so logs name a model the same way for the whole run)
+        self.model_ids: list[int] = list(range(K))
+        self.initial_K = K
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(seed, "init", "working"))
             self.working = build_model()
@@ -169,6 +173,32 @@ class KModelSet(L.LightningModule):
     def make_optimizer(self, params) -> torch.optim.Optimizer:
         """A fresh ``optim.name`` optimizer (lr, momentum, weight decay from the config) over ``params``."""
         return OPTIMIZERS[self.optimizer](params, self.lr, self.momentum, self.weight_decay)
+
+    def retire_(self, position: int) -> int:
+        """Remove server model ``position`` (0..K-1) from the set (``algorithm.K=auto``); the
+        later models move up one position and keep their ids. Returns the retired model's id.
+
+        Raises:
+            ValueError: the last model, or a position out of range.
+        """
+        if not 0 <= position < self.K or self.K == 1:
+            raise ValueError(f"cannot retire model position {position} of a set of {self.K}")
+        del self.models[position]
+        return self.model_ids.pop(position)
+
+    def keep_models_(self, model_ids: list[int]) -> None:
+        """Shrink the set to the models with these original ids (their order in the set is
+        kept), e.g. before loading a checkpoint of a run that retired models.
+
+        Raises:
+            ValueError: an id that is not in the set.
+        """
+        missing = [i for i in model_ids if i not in self.model_ids]
+        if missing:
+            raise ValueError(f"model ids {missing} are not in the set (ids {self.model_ids})")
+        for position in reversed(range(self.K)):
+            if self.model_ids[position] not in model_ids:
+                self.retire_(position)
 
     def load_working(self, source: nn.Module | int) -> None:
         """Copy server model ``source`` (an index) or any same-shaped module into ``working``."""

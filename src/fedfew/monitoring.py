@@ -17,7 +17,10 @@ every round
     (1 / sum_i alpha_i^2); ``w/mean_max`` (mean_i max_k w_ik);
     every ``logger.media_every`` rounds: ``w/heatmap`` and ``loss/heatmap`` (M x K images,
     the row's pick outlined) and ``clients/round`` (a table, one row per participant:
-    client, n_train, alpha, w_<k>, loss_<k>, model, and any other per-client vector)
+    client, n_train, alpha, w_<k>, loss_<k>, model, and any other per-client vector);
+    FedFew also logs ``train/K`` and ``train/mu`` (the round's models and mu), its per-model
+    names use the models' original ids, and under ``K=auto`` a round that retires a model
+    logs ``model_set/changes`` (a table of every change so far: round, model, reason, text)
 every evaluation
     ``eval/acc_mean``, ``eval/acc_std``, ``eval/acc_min``, ``eval/acc_max``,
     ``eval/acc_weighted``, ``eval/majority_acc_mean`` (and any other number of the summary),
@@ -26,7 +29,8 @@ every evaluation
 at the end
     ``summary/clients`` (table per client: size, label distribution, chosen model,
     accuracy), ``summary/acc_by_client`` and ``summary/clients_per_model`` (bar charts),
-    ``summary/alpha_over_rounds`` (one line per client), ``plots/<name>`` (the PNGs of
+    ``summary/alpha_over_rounds`` (one line per client), ``summary/K_changes`` (K=auto: a
+    table of the retirements), ``plots/<name>`` (the PNGs of
     :mod:`fedfew.plots`), and ``final/<summary key>`` in the run summary.
 
 The dashboard layout built from these names is described in ``docs/dashboard.md``.
@@ -146,6 +150,7 @@ class WandbMonitor:
     clients: list[dict[str, Any]] = field(default_factory=list)
     previous_assignment: dict[int, int] = field(default_factory=dict)
     alpha_rounds: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
+    model_set_changes: list[list[Any]] = field(default_factory=list)  # K=auto: [round, text] rows
     _warned: bool = False
 
     def _guard(self, what: str, fn):
@@ -187,6 +192,8 @@ class WandbMonitor:
             self._guard("resume", lambda: self._remember(logs))
 
     def _remember(self, logs: dict[str, Any]) -> None:
+        if logs.get("model_set_change"):
+            self.model_set_changes.append([int(logs["round"]), str(logs["model_set_change"])])
         columns = client_columns(logs)
         participants = [int(c) for c in logs.get("participants") or []]
         if "alpha" in columns:
@@ -226,7 +233,10 @@ class WandbMonitor:
         K, M = int(sim.module.K), int(sim.num_clients)
         participants = [int(c) for c in logs.get("participants") or []]
         out: dict[str, Any] = wandb_scalars(logs, evaluation)
-        out.update(per_model_scalars(logs, K))
+        out.update(per_model_scalars(logs, len(logs.get("model_ids") or []) or K))  # this round's models
+        if logs.get("model_set_change"):  # K=auto retired a model after this round
+            self.model_set_changes.append([round, str(logs["model_set_change"])])
+            out["model_set/changes"] = wandb.Table(columns=["round", "change"], data=[list(r) for r in self.model_set_changes])
         columns = client_columns(logs)
         if "alpha" in columns:
             alpha = columns["alpha"][:, 0]
@@ -310,6 +320,10 @@ class WandbMonitor:
         if served:
             models = wandb.Table(columns=["model", "clients"], data=[[f"model {k}", int(n)] for k, n in enumerate(served)])
             out["summary/clients_per_model"] = wandb.plot.bar(models, "model", "clients", title="clients per model")
+        changes = results["summary"].get("K_changes")
+        if changes is not None:
+            cols = ["round", "model", "reason", "partner", "K", "mu", "gap", "pair_weight", "text"]
+            out["summary/K_changes"] = wandb.Table(columns=cols, data=[[c.get(k) for k in cols] for c in changes])
         M = int(sim.num_clients)
         if self.alpha_rounds and M <= MAX_SERIES_CLIENTS:
             xs = [r for r, _, _ in self.alpha_rounds]

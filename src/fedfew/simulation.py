@@ -173,6 +173,7 @@ class Simulation:
             "round": rnd,
             "config": OmegaConf.to_container(self.cfg, resolve=True),  # checked on resume
             "models": self.module.models.state_dict(),
+            "model_ids": list(self.module.model_ids),  # the set K=auto left (fedfew.auto_k)
             "algorithm": self.algorithm.state_dict(),
             "host_state": self.ctx.host_state if host_state is None else host_state,
             "rng": rng_states(),
@@ -197,6 +198,7 @@ class Simulation:
                 "resume: the checkpoint's partition differs from this run's (different seed, dataset, "
                 "num_clients or partition settings); resume with the original config or start a new run"
             )
+        self.module.keep_models_(state.get("model_ids", self.module.model_ids))  # models K=auto retired
         self.module.models.load_state_dict(state["models"])
         self.algorithm.load_state_dict(state["algorithm"])
         self.ctx.host_state.clear()
@@ -257,6 +259,7 @@ class Simulation:
         wall = self.wall_time_s
         final = evaluation if evaluation is not None else self.evaluate(int(cfg.rounds))
         final["summary"]["rounds"] = int(cfg.rounds)
+        final["summary"].update(self.algorithm.summary())  # e.g. K=auto's K_changes
         results = {
             "config": OmegaConf.to_container(cfg, resolve=True),
             "summary": final["summary"],

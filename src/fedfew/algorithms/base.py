@@ -142,6 +142,11 @@ class Algorithm:
         value = self.ctx.host_state.get(int(client_id), {}).get(name)
         return None if value is None else value.to(self.ctx.fabric.device)
 
+    def summary(self) -> dict[str, Any]:
+        """Entries the algorithm adds to the run's final summary (results.json), e.g. FedFew's
+        ``K_changes`` under ``K=auto``; default none."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """Server-side state beyond the K models and ``ctx.host_state`` (for checkpoints)."""
         return {}

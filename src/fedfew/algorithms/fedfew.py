@@ -20,7 +20,10 @@ local epoch, the reference's | pre: eval-mode loss of the broadcast model on the
 ``sample_weighting`` (samples: L_ik weighted by client size, the reference's | none: the
 paper's text), ``server_lr`` (eta_s = 1, as the reference), ``normalize`` (true, our default:
 divide model k's step by sum_i alpha_i w_ik, so each model moves by the weighted *mean* of its
-deltas | false: the reference's rule).
+deltas | false: the reference's rule). ``K=auto`` (with ``K_max``, ``K_min``, ``auto_patience``)
+starts with K_max models and retires redundant ones (:mod:`fedfew.auto_k`); ``mu_schedule``
+(constant | cosine | exponential, from ``mu`` to ``mu_end`` | loss, mu = ``mu_ratio`` x the mean
+best loss) sets mu per round (:mod:`fedfew.mu_schedule`).
 
 Why ``normalize=true`` is the default: with the reference's rule sum_k sum_i alpha_i w_ik = 1, so
 the K models share ONE client-sized step. The model that leads early takes most of it, the
@@ -37,7 +40,9 @@ eta_s * sum_i alpha_i w_ik, divided by that sum when normalising), ``weight_shar
 sum_i alpha_i w_ik), ``effective_clients`` (K; (sum_i w_ik)^2 / sum_i w_ik^2), ``models_in_use``
 (models that are some client's argmax w), ``loss_gap_mean`` (mean over clients of the gap between
 their second-best and best model loss, nats) and ``model_distance_mean`` (mean pairwise L2
-distance between the server models' parameters).
+distance between the server models' parameters); also ``model_ids`` (the original ids of the
+round's models: the columns of w and loss, the values of ``assignment``), ``K``, ``mu`` and, when
+K=auto retired a model after the round, ``model_set_change`` (one line of text).
 
 Local training is delegated to an engine (top-level ``engine``: ``loop``, the default, trains
 the K models one after another; ``vmap`` trains them -- and on a GPU several clients' -- as
@@ -53,11 +58,13 @@ import torch
 from fedfew.aggregation import LogWeightedSum
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms.base import Algorithm, Context
+from fedfew.auto_k import AutoK
 from fedfew.data.base import ClientSplit
 from fedfew.engines import ENGINES
 from fedfew.engines.base import ClientJob
 from fedfew.local import evaluate_model
 from fedfew.module import assign_flat_, flat_parameters
+from fedfew.mu_schedule import round_mu
 from fedfew.scalarization import MU_SCALES, SAMPLE_WEIGHTINGS, client_log_weights, stch_set
 from fedfew.seeding import derive_seed
 
@@ -99,18 +106,29 @@ class FedFew(Algorithm):
             )
         if cfg.get("mu_scale", "relative") not in MU_SCALES:
             raise ValueError(f"algorithm.mu_scale={cfg.mu_scale!r}; allowed: {', '.join(MU_SCALES)}")
-        self.mu = float(cfg.mu)
+        self.mu = float(cfg.mu)  # this round's mu (algorithm.mu_schedule, set in begin_round)
+        self._best_loss: float | None = None  # mean best scaled loss of the last round (mu_schedule=loss)
+        # K=auto (fedfew.auto_k): retire models no client needs; its own rule replaces the collapse warning
+        self.auto = AutoK(int(cfg.get("K_min", 1)), int(cfg.get("auto_patience", 3))) if self.is_auto(cfg) else None
+        self.watch_collapse = self.auto is None
         self.engine = ENGINES.get(ctx.cfg.get("engine", "loop") or "loop").from_context(ctx)
         self._accumulator: LogWeightedSum | None = None
         self._participant_total = 1.0
         self._participant_count = 1
 
     @staticmethod
+    def is_auto(cfg) -> bool:
+        """Whether ``algorithm.K=auto`` (start with ``K_max`` models, retire redundant ones)."""
+        return str(cfg.K) == "auto"
+
+    @staticmethod
     def num_models(cfg) -> int:
-        return int(cfg.K)
+        """K, or ``K_max`` under ``K=auto`` (the models at the start)."""
+        return int(cfg.K_max) if FedFew.is_auto(cfg) else int(cfg.K)
 
     def begin_round(self, rnd: int, participants: list[int]) -> None:
         ctx, module = self.ctx, self.ctx.module
+        self.mu = round_mu(self.cfg, rnd, int(ctx.cfg.rounds), self._best_loss, ctx.data.num_classes)
         dim = sum(p.numel() for p in module.working.parameters())
         self._accumulator = LogWeightedSum(module.K, dim, device=ctx.fabric.device)
         self._participant_total = float(ctx.num_train[participants].sum())
@@ -147,7 +165,8 @@ class FedFew(Algorithm):
         """Train ``client_ids`` with the engine, fold each finite result into the accumulator
         and keep its losses (NaN rows for excluded clients) in ``self._pending``."""
         ctx, module, run = self.ctx, self.ctx.module, self.ctx.cfg
-        jobs = [ClientJob(c, ctx.train_index[c], [derive_seed(run.seed, "local", rnd, c, k) for k in range(module.K)])
+        # seeds follow the model's id, so retiring a model (K=auto) leaves the others' streams unchanged
+        jobs = [ClientJob(c, ctx.train_index[c], [derive_seed(run.seed, "local", rnd, c, k) for k in module.model_ids])
                 for c in client_ids]
         pre = {}
         if self.cfg.loss_source == "pre":  # eval-mode loss of each broadcast model, before training
@@ -180,7 +199,9 @@ class FedFew(Algorithm):
         accumulator = self._accumulator.all_reduce_()
         alpha = torch.zeros(len(participants), dtype=torch.float64)
         w = torch.zeros(len(participants), K, dtype=torch.float64)
-        logs: dict[str, Any] = {"loss": losses, "excluded": [participants[j] for j in torch.nonzero(~valid).flatten().tolist()]}
+        ids = list(self.ctx.module.model_ids)  # original ids of this round's models (columns of w, loss)
+        logs: dict[str, Any] = {"loss": losses, "excluded": [participants[j] for j in torch.nonzero(~valid).flatten().tolist()],
+                                "model_ids": ids, "K": K, "mu": self.mu}
         if not bool(valid.any()):
             warnings.warn(f"round {rnd}: every participating client was excluded; the models keep their parameters")
             self._accumulator = None
@@ -209,8 +230,40 @@ class FedFew(Algorithm):
             assign_flat_(model, new)
         self._accumulator = None
         diagnostics = set_diagnostics(losses[valid], w[valid], [flat_parameters(m) for m in self.ctx.module.models])
-        return {**logs, "g": float(weights.g), "alpha": alpha, "w": w, "assignment": w.argmax(dim=1),
+        self._best_loss = float(weights.losses.min(dim=1).values.mean())  # Lbar of mu_schedule=loss
+        if self.auto is not None:  # K=auto: retire a redundant model after this round's step
+            retired = self.auto.step(rnd, weights.losses, weights.w, self.mu, ids)
+            if retired is not None:
+                self.ctx.module.retire_(retired[0])
+                logs["model_set_change"] = retired[1].text()
+        return {**logs, "g": float(weights.g), "alpha": alpha, "w": w,
+                "assignment": torch.tensor(ids, dtype=torch.long)[w.argmax(dim=1)],  # model ids
                 "effective_step": eta * step, "weight_share": share, **diagnostics}
+
+    def model_assignment(self, client: ClientSplit, chosen: int) -> int:
+        """The original id of the server model the client picked (= ``chosen`` unless K=auto
+        retired models)."""
+        return int(self.ctx.module.model_ids[chosen])
+
+    def summary(self) -> dict[str, Any]:
+        """Final-summary entries: under K=auto ``K`` (models left), ``K_initial`` (K_max),
+        ``model_ids`` (ids of the models left, in the order of the final set) and ``K_changes``
+        (every retirement: round, model, reason, partner, K, mu, figures, text)."""
+        if self.auto is None:
+            return {}
+        module = self.ctx.module
+        return {"K": module.K, "K_initial": module.initial_K, "model_ids": list(module.model_ids),
+                "K_changes": [c.as_dict() for c in self.auto.changes]}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The mu rule's loss level and the K=auto streaks and changes (the model ids are the
+        module's, saved with the models)."""
+        return {"best_loss": self._best_loss, "auto": self.auto.state_dict() if self.auto is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._best_loss = state.get("best_loss")
+        if self.auto is not None and state.get("auto") is not None:
+            self.auto.load_state_dict(state["auto"])
 
 
 def set_diagnostics(losses: torch.Tensor, w: torch.Tensor, flat_models: list[torch.Tensor]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ SHARED_DATA := $(abspath ../shared/data)
 TEST_DATA_DIR := $(or $(DATA_DIR),$(FEDFEW_DATA_DIR),$(wildcard $(SHARED_DATA)))
 DATA_ARG := $(if $(DATA_DIR),data_dir=$(abspath $(DATA_DIR)),)
 
-.PHONY: install train test compare bench slurm slurm-up slurm-down clean help runs notebook
+.PHONY: install train test compare bench slurm slurm-up slurm-down clean help runs notebook tune
 
 help:
 	@echo "make install | train DATASET=<name> [DATA_DIR=<dir>] [ARGS='<hydra overrides>'] | test | runs [ROOT=<dir>] | notebook RUN=<run dir>"
@@ -78,9 +78,31 @@ JOBS ?= 1
 OUT ?= outputs/compare/$(DATASET)
 COMPARE_DATA_DIR := $(or $(DATA_DIR),$(FEDFEW_DATA_DIR),$(wildcard $(SHARED_DATA)))
 
+# PRESETS=<dir>: each method's preset from <dir>/<dataset>_<alg>.yaml (make tune's <out>/presets, tuned for
+# another setup) instead of conf/tuned; PRESETS=none: config defaults. compare.md/csv + PNGs: docs/results.md.
+PRESETS ?=
+
 compare: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} WANDB_SILENT=true $(BIN)/python -m fedfew.compare --dataset $(DATASET) \
 		$(if $(strip $(ALGORITHMS)),--algorithms $(ALGORITHMS)) --seeds $(SEEDS) --out $(OUT) --jobs $(JOBS) \
+		$(if $(PRESETS),--presets $(PRESETS)) \
+		-- $(if $(COMPARE_DATA_DIR),data_dir=$(abspath $(COMPARE_DATA_DIR))) $(if $(filter-out 1,$(JOBS)),trainer.threads=1) $(ARGS)
+
+# tune: the same Optuna search (TPE, TRIALS finished trials per method) for every method, scored on the clients'
+# validation split (VAL_FRACTION of each train split; the test split is never read); presets -> $(TUNE_OUT)/presets
+# and, when ARGS keep the dataset's default setup, conf/tuned/<dataset>_<alg>.yaml (docs/tuning.md). Resumable.
+#   make tune DATASET=digits ALGORITHMS="fedfew fedavg fedrep" TRIALS=12 JOBS=2
+TRIALS ?= 12
+VAL_FRACTION ?= 0.2
+TUNE_SEEDS ?= 0
+INSTALL ?= auto
+TUNE_OUT ?= outputs/tune/$(DATASET)
+
+tune: $(STAMP)
+	FEDFEW_TUNE_MADE_BY='make tune DATASET=$(DATASET) ALGORITHMS="$(ALGORITHMS)" TRIALS=$(TRIALS) JOBS=$(JOBS) TUNE_SEEDS="$(TUNE_SEEDS)" VAL_FRACTION=$(VAL_FRACTION) ARGS="$(ARGS)"' \
+	WANDB_MODE=disabled WANDB_SILENT=true $(BIN)/python -m fedfew.tune --dataset $(DATASET) \
+		$(if $(strip $(ALGORITHMS)),--algorithms $(ALGORITHMS)) --trials $(TRIALS) --jobs $(JOBS) \
+		--seeds $(TUNE_SEEDS) --val-fraction $(VAL_FRACTION) --install $(INSTALL) --out $(TUNE_OUT) \
 		-- $(if $(COMPARE_DATA_DIR),data_dir=$(abspath $(COMPARE_DATA_DIR))) $(if $(filter-out 1,$(JOBS)),trainer.threads=1) $(ARGS)
 
 # bench: throughput (engine=loop vs vmap), overhead, FLOP/s, scaling in M and K, memory, the

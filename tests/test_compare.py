@@ -13,66 +13,123 @@ from fedfew import compare
 from fedfew.compare import MAJORITY, CompareError, Run, summarize, to_csv, to_markdown
 
 
-def fake_results(acc_mean: float, majority: list[float], partition: str = "p0", rounds: int = 5) -> dict:
+def fake_results(acc_mean: float, majority: list[float], partition: str = "p0", rounds: int = 5,
+                 evals: tuple[float, ...] = (), lr: float = 0.3, algorithm: str = "fedavg") -> dict:
+    """A results.json: acc_weighted = acc_mean + 0.01, acc_min = acc_mean - 0.2; ``evals``: the
+    client-mean accuracy of the evaluations before the final one (same offsets)."""
     config = {
-        "rounds": rounds, "local_epochs": 1, "dataset": {"batch_size": 50}, "optim": {"lr": 0.3},
+        "rounds": rounds, "local_epochs": 1, "dataset": {"batch_size": 50}, "optim": {"lr": lr},
         "num_clients": len(majority), "participation": 1.0, "clients_per_round": None,
         "partition": {"name": "dirichlet", "alpha": 0.5}, "model": {"name": "mlp"},
+        "algorithm": {"name": algorithm},
     }
+    summary = {"acc_mean": acc_mean, "acc_std": 0.1, "acc_min": acc_mean - 0.2, "acc_max": acc_mean + 0.1,
+               "acc_weighted": acc_mean + 0.01, "majority_acc_mean": sum(majority) / len(majority),
+               "majority_acc_weighted": 0.5}
+    evaluations = [{"round": r + 1, "acc_mean": a, "acc_weighted": a + 0.01, "acc_min": a - 0.2}
+                   for r, a in enumerate((*evals, acc_mean))]
     return {
-        "config": config,
-        "summary": {"acc_mean": acc_mean, "acc_std": 0.1, "acc_min": acc_mean - 0.2, "acc_max": acc_mean + 0.1,
-                    "acc_weighted": acc_mean + 0.01, "majority_acc_mean": sum(majority) / len(majority),
-                    "majority_acc_weighted": 0.5},
+        "config": config, "summary": summary, "evaluations": evaluations,
         "clients": [{"majority_acc": m} for m in majority],
-        "seconds_per_round": 2.0,
+        "seconds_per_round": 2.0, "wall_time_s": 10.0,
         "partition_hash": partition,
+        "budget": {"rounds": rounds, "server_models": 1, "num_parameters": 10, "participants_per_round": len(majority),
+                   "params_up_per_client_round": 10, "params_down_per_client_round": 10, "bytes_per_parameter": 4.0,
+                   "bytes_up_per_client_round": 40, "bytes_down_per_client_round": 40,
+                   "bytes_up_per_round": 40 * len(majority), "bytes_down_per_round": 40 * len(majority),
+                   "local_steps": 100},
     }
 
 
-def test_summary_rows_by_hand():
-    results = {
-        ("a", 0): fake_results(0.8, [0.5, 0.3], "h0"),
-        ("a", 1): fake_results(0.6, [0.2, 0.2], "h1"),
-        ("b", 0): fake_results(0.9, [0.5, 0.3], "h0"),
-    }
-    params = {("a", 0): (30, 30, 10), ("b", 0): (0, 0, 10)}
-    rows, warnings = summarize(results, ["b", "a", "missing"], params)
+def sample_std(xs):
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def test_spread_and_paired_differences_equal_hand_computations():
+    fedfew = {0: (0.80, (0.5, 0.6, 0.7, 0.75)), 1: (0.70, (0.5, 0.6, 0.6, 0.8)), 2: (0.90, (0.4, 0.6, 0.8, 0.85))}
+    other = {0: (0.85, (0.5, 0.6, 0.9, 0.8)), 1: (0.72, (0.5, 0.6, 0.7, 0.7)), 2: (0.87, (0.4, 0.6, 0.8, 0.9))}
+    results = {("fedfew", s): fake_results(a, [0.5, 0.3], f"h{s}", evals=e) for s, (a, e) in fedfew.items()}
+    results.update({("b", s): fake_results(a, [0.5, 0.3], f"h{s}", evals=e) for s, (a, e) in other.items()})
+    rows, warnings = summarize(results, ["fedfew", "b"], reference="fedfew")
     assert warnings == []
-    assert [r["algorithm"] for r in rows] == ["b", "a", MAJORITY]
-    b, a, maj = rows
-    assert a["runs"] == 2 and b["runs"] == 1
-    assert a["acc_mean"] == pytest.approx(0.7)
-    assert a["acc_mean_std_over_seeds"] == pytest.approx(math.sqrt(0.02))  # sample std of 0.8, 0.6
-    assert math.isnan(b["acc_mean_std_over_seeds"])                       # one seed: no spread
-    assert a["acc_min"] == pytest.approx(0.5) and a["acc_max"] == pytest.approx(0.8)
-    assert a["acc_weighted"] == pytest.approx(0.71)
-    assert (a["params_up_per_client_round"], b["params_down_per_client_round"]) == (30, 0)
-    # majority label per seed: seed 0 clients (0.5, 0.3), seed 1 (0.2, 0.2)
-    assert maj["runs"] == 2
-    assert maj["acc_mean"] == pytest.approx(0.3)                   # mean of 0.4 and 0.2
-    assert maj["acc_mean_std_over_seeds"] == pytest.approx(math.sqrt(0.02))
-    assert maj["acc_std_across_clients"] == pytest.approx(0.05)     # mean of 0.1 and 0
-    assert maj["acc_min"] == pytest.approx(0.25) and maj["acc_max"] == pytest.approx(0.35)
-    table = list(csv.DictReader(io.StringIO(to_csv(rows))))
-    assert [r["algorithm"] for r in table] == ["b", "a", MAJORITY] and table[1]["acc_mean"] == "0.700000"
-    assert table[0]["acc_mean_std_over_seeds"] == ""
+    f, b, maj = rows
+    assert [r["algorithm"] for r in rows] == ["fedfew", "b", MAJORITY] and b["seeds"] == 3
+    # mean and sample std over seeds: fedfew 0.8, 0.7, 0.9 -> 0.8 ± 0.1
+    assert f["acc_mean"] == pytest.approx(0.8) and f["acc_mean_std"] == pytest.approx(0.1)
+    assert f["acc_weighted"] == pytest.approx(0.81) and f["acc_weighted_std"] == pytest.approx(0.1)
+    assert f["acc_min"] == pytest.approx(0.6) and f["acc_min_std"] == pytest.approx(0.1)
+    # last three evaluations: (0.7+0.75+0.8)/3, (0.6+0.8+0.7)/3, (0.8+0.85+0.9)/3
+    last3 = [(0.7 + 0.75 + 0.8) / 3, (0.6 + 0.8 + 0.7) / 3, (0.8 + 0.85 + 0.9) / 3]
+    assert f["acc_mean_last3"] == pytest.approx(sum(last3) / 3)
+    assert f["acc_mean_last3_std"] == pytest.approx(sample_std(last3))
+    assert f["acc_min_last3"] == pytest.approx(sum(last3) / 3 - 0.2)
+    # paired differences b - fedfew per seed: +0.05, +0.02, -0.03
+    diffs = [0.85 - 0.80, 0.72 - 0.70, 0.87 - 0.90]
+    assert b["diff_acc_mean"] == pytest.approx(0.04 / 3)
+    assert b["diff_acc_mean_std"] == pytest.approx(math.sqrt(((0.05 - 0.04 / 3) ** 2 + (0.02 - 0.04 / 3) ** 2
+                                                             + (-0.03 - 0.04 / 3) ** 2) / 2))
+    assert b["diff_acc_mean_std"] == pytest.approx(sample_std(diffs))
+    assert b["diff_acc_mean_per_seed"] == "0:+0.0500 1:+0.0200 2:-0.0300" and b["diff_seeds"] == 3
+    b_last3 = [(0.9 + 0.8 + 0.85) / 3, (0.7 + 0.7 + 0.72) / 3, (0.8 + 0.9 + 0.87) / 3]
+    assert b["diff_acc_mean_last3"] == pytest.approx(sum(x - y for x, y in zip(b_last3, last3)) / 3)
+    assert f["diff_acc_mean"] == 0.0  # the reference against itself
+    # the spread of the paired difference is not the difference of the spreads
+    assert b["diff_acc_mean_std"] != pytest.approx(abs(b["acc_mean_std"] - f["acc_mean_std"]))
+    # majority label: clients 0.5 and 0.3 on every seed
+    assert maj["acc_mean"] == pytest.approx(0.4) and maj["acc_mean_std"] == pytest.approx(0.0)
+    assert maj["acc_min"] == pytest.approx(0.3) and maj["diff_acc_mean"] == pytest.approx(0.4 - 0.8)
+    # budget columns from results.json's budget
+    assert (b["bytes_up_per_round"], b["local_steps"], b["server_models"]) == (80, 100, 1)
+    table = {r["algorithm"]: r for r in csv.DictReader(io.StringIO(to_csv(rows)))}
+    for col in ("acc_mean", "acc_mean_std", "acc_min", "seeds", "bytes_up_per_round", "bytes_down_per_round"):
+        assert col in table["b"]
+    assert table["b"]["seeds"] == "3" and table["b"]["acc_mean"] == f"{(0.85 + 0.72 + 0.87) / 3:.6f}"
     md = to_markdown(rows, "t")
-    assert "| a | 0.7000 ± 0.1414 |" in md and "| b | 0.9000 |" in md and "30 / 30" in md
+    assert "| b | 0.8133 ± 0.0814 |" in md and "+0.0133 ± 0.0404 [0:+0.0500 1:+0.0200 2:-0.0300]" in md
+    assert "**fedfew is not first**" in compare.ranking_note(rows, "fedfew")
+
+
+def test_one_seed_has_no_spread_and_the_first_method_is_said_to_be_first():
+    results = {("a", 0): fake_results(0.8, [0.5, 0.3], "h0"), ("b", 0): fake_results(0.9, [0.5, 0.3], "h0")}
+    rows, _ = summarize(results, ["b", "a", "missing"], reference="b")
+    b, a, maj = rows
+    assert math.isnan(b["acc_mean_std"]) and math.isnan(a["diff_acc_mean_std"])
+    assert a["diff_acc_mean"] == pytest.approx(-0.1)
+    assert compare.ranking_note(rows, "b").startswith("b is first")
+    assert list(csv.DictReader(io.StringIO(to_csv(rows))))[0]["acc_mean_std"] == ""
 
 
 def test_mismatched_partitions_are_refused_and_budget_differences_flagged():
     with pytest.raises(CompareError, match="different partitions"):
-        summarize({("a", 0): fake_results(0.8, [0.5], "h0"), ("b", 0): fake_results(0.9, [0.5], "OTHER")},
-                  ["a", "b"], {("a", 0): (1, 1, 1), ("b", 0): (1, 1, 1)})
+        summarize({("a", 0): fake_results(0.8, [0.5], "h0"), ("b", 0): fake_results(0.9, [0.5], "OTHER")}, ["a", "b"])
     _, warnings = summarize({("a", 0): fake_results(0.8, [0.5]), ("b", 0): fake_results(0.9, [0.5], rounds=9)},
-                            ["a", "b"], {("a", 0): (1, 1, 1), ("b", 0): (1, 1, 1)})
-    assert len(warnings) == 1 and "budget" in warnings[0]
+                            ["a", "b"])
+    assert len(warnings) == 1 and "differ" in warnings[0]
+    # a tuned lr per method is not a budget difference: it is listed per method instead
+    _, warnings = summarize({("a", 0): fake_results(0.8, [0.5]), ("b", 0): fake_results(0.9, [0.5], lr=0.05)},
+                            ["a", "b"])
+    assert warnings == []
+
+
+def test_presets_become_explicit_overrides_that_the_extra_overrides_beat(tmp_path):
+    (tmp_path / "digits_fedfew.yaml").write_text(
+        "# @package _global_\n# best validation score: 0.9000 (trial 3)\noptim:\n  lr: 0.25\nalgorithm:\n  mu: 0.07\n")
+    preset, source = compare.preset_for("digits", "fedfew", str(tmp_path), [])
+    assert preset == ("~tuned", "optim.lr=0.25", "algorithm.mu=0.07") and source.endswith("digits_fedfew.yaml")
+    assert compare.preset_for("digits", "fedfew", str(tmp_path), ["optim.lr=0.1"])[0] == ("~tuned", "algorithm.mu=0.07")
+    assert compare.preset_for("digits", "fedavg", str(tmp_path), []) == (("~tuned",), "")   # none in that folder
+    assert compare.preset_for("digits", "fedfew", "none", []) == (("~tuned",), "")
+    assert compare.preset_score(source) == "0.9000 (trial 3)"
+    with pytest.raises(CompareError, match="no such folder"):
+        compare.main(["--algorithms", "fedavg", "--out", str(tmp_path), "--presets", str(tmp_path / "nope")])
 
 
 def test_the_comparison_sets_dataset_algorithm_and_seed_itself(tmp_path):
     with pytest.raises(CompareError, match="set by the comparison"):
         compare.main(["--algorithms", "fedavg", "--out", str(tmp_path), "--", "seed=3"])
+    with pytest.raises(CompareError, match="set by the comparison"):
+        compare.main(["--algorithms", "fedavg", "--out", str(tmp_path), "--", "~tuned"])
     with pytest.raises(ValueError, match="unknown algorithm 'nosuch'"):
         compare.main(["--algorithms", "nosuch", "--out", str(tmp_path)])
 
@@ -97,8 +154,11 @@ def test_small_comparison_writes_the_table_and_resumes(tmp_path, capsys):
     assert kept.stat().st_mtime_ns == stamp
     rows = {r["algorithm"]: r for r in csv.DictReader((out / "compare.csv").open())}
     assert list(rows) == ["fedavg", "local", MAJORITY]
-    # d of the digits MLP (64 -> 128 -> 10): 64*128 + 128 + 128*10 + 10 = 9,610
+    # d of the digits MLP (64 -> 128 -> 10): 64*128 + 128 + 128*10 + 10 = 9,610 float32 parameters
     assert rows["fedavg"]["params_up_per_client_round"] == "9610" and rows["local"]["params_up_per_client_round"] == "0"
+    assert rows["fedavg"]["bytes_up_per_round"] == str(4 * 9610 * 4) and rows["local"]["bytes_down_per_round"] == "0"
+    assert rows["fedavg"]["seeds"] == "1" and rows["fedavg"]["rounds"] == "2"
+    assert (out / "accuracy_rounds.png").stat().st_size > 0 and (out / "accuracy_bytes.png").stat().st_size > 0
     results = {a: json.loads((out / a / "seed0" / "results.json").read_text()) for a in ("fedavg", "local")}
     for alg, res in results.items():
         assert float(rows[alg]["acc_mean"]) == pytest.approx(res["summary"]["acc_mean"], abs=1e-6)
@@ -120,3 +180,6 @@ def test_run_paths_and_overrides(tmp_path):
     assert run.overrides()[:4] == ["dataset=agnews", "algorithm=ifca", "seed=2", "rounds=3"]
     assert run.overrides()[-1] == f"hydra.run.dir={run.dir}"
     assert run.task_overrides() == ["dataset=agnews", "algorithm=ifca", "seed=2", "rounds=3"]
+    tuned = Run("ifca", 2, tmp_path, ("optim.lr=0.1",), "agnews", ("~tuned", "optim.lr=0.2"), "p.yaml")
+    assert tuned.task_overrides() == ["dataset=agnews", "algorithm=ifca", "seed=2", "~tuned", "optim.lr=0.2",
+                                      "optim.lr=0.1"]  # the preset first, so the extra overrides win

@@ -1,25 +1,37 @@
-"""Run several algorithms on the same partitions and budget and tabulate them (``make compare``).
+"""Run several algorithms on the same partitions and seeds and tabulate them (``make compare``).
 
     python -m fedfew.compare --dataset digits --algorithms fedfew fedavg ifca --seeds 0 1 2 \\
         --out outputs/compare/digits -- rounds=20 data_dir=/path/to/data
 
 Every (algorithm, seed) is one isolated subprocess ``python -m fedfew.train dataset=<dataset>
-algorithm=<alg> seed=<seed> <extra overrides> hydra.run.dir=<out>/<alg>/seed<seed>``; the
-extra overrides (after ``--``) go to every run, so all algorithms share rounds, local epochs,
-batch size, learning rate, clients and partition (the partition is derived from the seed
-alone, and its hash is checked to be the same for every algorithm of a seed). A run whose
-``results.json`` exists is reused, so an interrupted comparison resumes where it stopped;
+algorithm=<alg> seed=<seed> ~tuned <preset values> <extra overrides> hydra.run.dir=<out>/<alg>/seed<seed>``.
+Each method gets its own tuned preset (``make tune``; docs/tuning.md): by default
+``conf/tuned/<dataset>_<alg>.yaml`` when it exists, with ``--presets DIR`` the one in DIR
+instead (a preset tuned for another setup), with ``--presets none`` none; its values are passed
+as explicit overrides, so a changed preset is never mistaken for a finished run. The extra
+overrides (after ``--``) go to every run and win over the presets. The partition is derived
+from the seed alone, and its hash is checked to be the same for every algorithm of a seed. A run
+whose ``results.json`` exists is reused, so an interrupted comparison resumes where it stopped;
 reusing results produced with different overrides is refused.
 
 An override for one method's own key (``algorithm.K=5``) fails for the algorithms without that
 key; ``++algorithm.K=5`` adds it where missing (ignored there), or compare that method apart.
 
-Written to ``<out>`` (atomically): ``compare.csv`` and ``compare.md``, one row per algorithm:
-client-mean accuracy (mean and std over seeds), std across clients, min and max client
-accuracy, sample-weighted accuracy (each averaged over seeds), seconds per round, and
-parameters sent up and down per participating client per round (from
-:meth:`fedfew.algorithms.base.Algorithm.communication`); plus the majority-label baseline of
-the same partitions as a reference row. Subprocess output goes to ``<out>/logs/``.
+Written to ``<out>`` (atomically; :func:`summarize` defines every column):
+
+- ``compare.csv``: one row per algorithm, then the majority-label row: over seeds the mean and
+  (sample) std of ``acc_mean``, ``acc_weighted`` and ``acc_min`` at the reported round and as the
+  mean of the last three evaluations (``*_last3``); balanced accuracy and macro-F1; the paired
+  per-seed difference of ``acc_mean`` against the reference method (fedfew: ``diff_*``); the
+  budget actually used (rounds, local SGD steps, server models, bytes up and down per round and
+  per participating client per round, d); the learning rate and own keys of each method.
+- ``compare.md``: the same as two tables plus notes (what every method shared and what differs,
+  the presets, whether fedfew is first, the protocol; ``reference`` is labelled OPTIMISTIC).
+- ``accuracy_rounds.png`` and ``accuracy_bytes.png``: client-mean accuracy against rounds and
+  against cumulative bytes communicated (up + down), one line per method (mean over seeds) with
+  a band (mean +- std over seeds), the majority label dotted.
+
+Subprocess output goes to ``<out>/logs/``.
 """
 from __future__ import annotations
 
@@ -29,6 +41,7 @@ import io
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -43,26 +56,48 @@ from fedfew.io import atomic_write_text
 MAJORITY = "majority label"
 """Name of the reference row: every client predicts the most frequent label of its train split."""
 
+#: the accuracy figures spread over seeds (each at the reported round and as ``*_last3``)
+METRICS = ("acc_mean", "acc_weighted", "acc_min")
+LAST = 3  # evaluations averaged in the *_last3 figures
+
 CSV_FIELDS = (
-    "algorithm", "runs", "acc_mean", "acc_mean_std_over_seeds", "acc_std_across_clients", "acc_min", "acc_max",
-    "acc_weighted", "seconds_per_round", "params_up_per_client_round", "params_down_per_client_round",
-    "num_parameters", "rounds", "local_epochs", "batch_size", "lr", "num_clients",
+    "algorithm", "seeds",
+    "acc_mean", "acc_mean_std", "acc_weighted", "acc_weighted_std", "acc_min", "acc_min_std",
+    "acc_mean_last3", "acc_mean_last3_std", "acc_weighted_last3", "acc_weighted_last3_std",
+    "acc_min_last3", "acc_min_last3_std",
+    "diff_acc_mean", "diff_acc_mean_std", "diff_acc_mean_per_seed", "diff_acc_mean_last3", "diff_acc_mean_last3_std",
+    "diff_reference", "diff_seeds",
+    "acc_std_across_clients", "acc_max", "balanced_acc_mean", "macro_f1_mean", "assignment_ari", "models_in_use",
+    "protocol", "optimistic",
+    "rounds", "local_steps", "server_models", "bytes_up_per_round", "bytes_down_per_round",
+    "bytes_up_per_client_round", "bytes_down_per_client_round", "params_up_per_client_round",
+    "params_down_per_client_round", "num_parameters", "participants_per_round",
+    "seconds_per_round", "wall_time_s", "lr", "hyperparameters", "preset",
+    "local_epochs", "batch_size", "num_clients",
 )
 
 
 class CompareError(RuntimeError):
-    """The comparison cannot be made as asked (stale results, mismatched partitions)."""
+    """The comparison cannot be made as asked (stale results, mismatched partitions, a
+    missing presets folder)."""
 
 
 @dataclass(frozen=True)
 class Run:
-    """One (algorithm, seed) run of a comparison."""
+    """One (algorithm, seed) run of a comparison.
+
+    Attributes:
+        preset: the method's preset as overrides (``~tuned`` and its values), before ``extra``.
+        preset_source: where the preset came from (a path, or "" for none).
+    """
 
     algorithm: str
     seed: int
     out: Path
     extra: tuple[str, ...] = ()
     dataset: str = "digits"
+    preset: tuple[str, ...] = ()
+    preset_source: str = ""
 
     @property
     def dir(self) -> Path:
@@ -78,12 +113,44 @@ class Run:
 
     def overrides(self) -> list[str]:
         """Hydra overrides of the run (the run directory last, so it cannot be overridden)."""
-        return [f"dataset={self.dataset}", f"algorithm={self.algorithm}", f"seed={self.seed}", *self.extra,
-                f"hydra.run.dir={self.dir}"]
+        return [f"dataset={self.dataset}", f"algorithm={self.algorithm}", f"seed={self.seed}", *self.preset,
+                *self.extra, f"hydra.run.dir={self.dir}"]
 
     def task_overrides(self) -> list[str]:
         """The overrides Hydra records in ``.hydra/overrides.yaml`` (all but ``hydra.*``)."""
         return [o for o in self.overrides() if not o.lstrip("+~").startswith("hydra.")]
+
+
+def preset_for(dataset: str, algorithm: str, presets: str | None, extra: Sequence[str]) -> tuple[tuple[str, ...], str]:
+    """The preset overrides of one method and their source.
+
+    Args:
+        presets: None (``conf/tuned``), ``"none"`` (no preset) or a folder of
+            ``<dataset>_<algorithm>.yaml`` files (``make tune``'s ``<out>/presets``).
+        extra: the comparison's extra overrides; a preset key they set is left out (they win).
+    Returns:
+        (``("~tuned", "optim.lr=...", ...)``, the preset's path or "").
+    """
+    from fedfew.tune import TUNED_DIR, fixed_keys, preset_overrides
+
+    if presets == "none":
+        return ("~tuned",), ""
+    path = (Path(presets).expanduser().resolve() if presets else TUNED_DIR) / f"{dataset}_{algorithm}.yaml"
+    if not path.is_file():
+        return ("~tuned",), ""
+    fixed = fixed_keys(extra)
+    values = [o for o in preset_overrides(path) if o.split("=", 1)[0] not in fixed]
+    return ("~tuned", *values), str(path)
+
+
+def preset_score(path: str) -> str:
+    """The ``best validation score`` line of a preset's header ("" when absent)."""
+    if not path:
+        return ""
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("# best validation score:"):
+            return line.split(":", 1)[1].strip()
+    return ""
 
 
 def recorded_overrides(run: Run) -> list[str] | None:
@@ -183,11 +250,12 @@ def run_all(runs: Sequence[Run], jobs: int = 1, python: str = sys.executable,
 # -- the table ---------------------------------------------------------------------------------
 
 def _mean(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else math.nan
 
 
 def _std(xs: Sequence[float]) -> float:
-    """Sample standard deviation over seeds (nan for fewer than two)."""
+    """Sample standard deviation over seeds (ddof = 1; nan for fewer than two)."""
     if len(xs) < 2:
         return math.nan
     m = _mean(xs)
@@ -203,7 +271,8 @@ _MODEL_CACHE: dict[str, Any] = {}
 
 
 def build_model(config: dict[str, Any]):
-    """A freshly built model of a run's architecture, on the CPU (for parameter counts).
+    """A freshly built model of a run's architecture, on the CPU (for parameter counts of
+    results written before results.json held its ``budget``).
 
     The model's size can depend on the data (a text model's vocabulary), so the run's data
     is rebuilt once per (dataset, partition, clients, seed, model) and cached.
@@ -237,24 +306,95 @@ def communication(config: dict[str, Any]) -> tuple[int, int, int]:
     return int(up), int(down), sum(p.numel() for p in model.parameters())
 
 
-def budget(config: dict[str, Any]) -> dict[str, Any]:
-    """What every algorithm of a comparison must share."""
+def run_budget(result: dict[str, Any]) -> dict[str, Any]:
+    """A run's ``budget`` (results.json; rebuilt from its config for older results: bytes at 4
+    per parameter, local steps unknown)."""
+    if "budget" in result:
+        return result["budget"]
+    cfg = result["config"]
+    up, down, d = communication(cfg)
+    per_round = int(cfg.get("clients_per_round") or max(1, round(float(cfg.get("participation", 1.0)) * cfg["num_clients"])))
+    return {"rounds": cfg["rounds"], "server_models": None, "num_parameters": d, "participants_per_round": per_round,
+            "params_up_per_client_round": up, "params_down_per_client_round": down, "bytes_per_parameter": 4.0,
+            "bytes_up_per_client_round": 4 * up, "bytes_down_per_client_round": 4 * down,
+            "bytes_up_per_round": 4 * up * per_round, "bytes_down_per_round": 4 * down * per_round,
+            "local_steps": None}
+
+
+def shared_budget(config: dict[str, Any]) -> dict[str, Any]:
+    """What every algorithm of a comparison must share (the learning rate and each method's
+    own keys are tuned per method, so they are listed per method instead)."""
     return {
         "rounds": config["rounds"], "local_epochs": config["local_epochs"],
-        "batch_size": config["dataset"]["batch_size"], "lr": config["optim"]["lr"],
+        "batch_size": config["dataset"]["batch_size"], "optimizer": config["optim"].get("name", "sgd"),
+        "schedule": config["optim"].get("schedule", "constant"),
         "num_clients": config["num_clients"], "participation": config.get("participation"),
         "clients_per_round": config.get("clients_per_round"), "partition": config["partition"],
+        "model": config.get("model", {}).get("name"), "eval": config.get("eval"),
     }
 
 
+def own_keys(config: dict[str, Any]) -> str:
+    """A method's own settings as ``key=value, ...``: ``K`` and the keys ``make tune`` searches
+    for it (conf/tune/<algorithm>.yaml); every key of its ``algorithm`` node but the name when it
+    has no search space."""
+    from fedfew.tune import TuneError, load_space
+
+    node = config.get("algorithm", {})
+    try:
+        searched = {d.key.split(".", 1)[1] for d in load_space(node.get("name", "")) if d.key.startswith("algorithm.")}
+        keys = [k for k in node if k == "K" or k in searched]
+    except TuneError:
+        keys = [k for k in node if k != "name"]
+    return ", ".join(f"{k}={node[k]}" for k in keys)
+
+
+def seed_metrics(result: dict[str, Any]) -> dict[str, float]:
+    """One run's figures: :data:`METRICS` at the reported round and as the mean over its last
+    :data:`LAST` evaluations (``*_last3``), plus balanced accuracy, macro-F1, ARI."""
+    s = result["summary"]
+    evals = result.get("evaluations") or [s]
+    tail = evals[-LAST:]
+    out = {m: float(s[m]) for m in METRICS}
+    out.update({f"{m}_last3": _mean([float(e[m]) for e in tail if m in e]) for m in METRICS})
+    for key in ("balanced_acc_mean", "macro_f1_mean", "assignment_ari", "models_in_use"):
+        out[key] = float(s[key]) if key in s else None
+    return out
+
+
+def majority_metrics(result: dict[str, Any]) -> dict[str, float]:
+    """The majority-label baseline of a run's partition as the same figures (constant over rounds)."""
+    maj = [c["majority_acc"] for c in result["clients"]]
+    out = {"acc_mean": _mean(maj), "acc_weighted": float(result["summary"]["majority_acc_weighted"]), "acc_min": min(maj)}
+    out.update({f"{m}_last3": out[m] for m in METRICS})
+    out["acc_std_across_clients"], out["acc_max"] = _population_std(maj), max(maj)
+    return out
+
+
+def paired(values: dict[int, float], reference: dict[int, float]) -> dict[int, float]:
+    """Per-seed differences ``values[s] - reference[s]`` over the seeds both have (the same
+    partition, initialisation and participation streams)."""
+    return {s: values[s] - reference[s] for s in sorted(values) if s in reference}
+
+
 def summarize(results: dict[tuple[str, int], dict[str, Any]], algorithms: Sequence[str],
-              params: dict[tuple[str, int], tuple[int, int, int]] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+              reference: str | None = "fedfew",
+              presets: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
     """Table rows (one per algorithm with results, then the majority-label row) and warnings.
+
+    Per algorithm, over its seeds: the mean and sample std (ddof 1; nan for one seed) of
+    :data:`METRICS` at the reported round (``acc_mean``, ``acc_mean_std``, ...) and as the mean
+    of the last three evaluations (``acc_mean_last3``, ``acc_mean_last3_std``, ...); the paired
+    difference of ``acc_mean`` (and ``acc_mean_last3``) against ``reference``: per seed
+    (``diff_acc_mean_per_seed``, "seed:value" pairs), their mean and sample std; the budget of
+    its runs (results.json ``budget``: rounds, local SGD steps (mean over seeds), server models,
+    bytes per round and per participating client per round, d); lr, own keys and preset.
 
     Args:
         results: (algorithm, seed) -> the run's ``results.json``.
         algorithms: row order.
-        params: (algorithm, seed) -> (up, down, d); computed from the configs when None.
+        reference: the method every other is paired against (None or absent: no differences).
+        presets: algorithm -> the preset file its runs used ("" for none).
     Raises:
         CompareError: two algorithms of one seed saw different partitions.
     """
@@ -266,54 +406,84 @@ def summarize(results: dict[tuple[str, int], dict[str, Any]], algorithms: Sequen
             raise CompareError(f"seed {seed}: {alg} and {hashes[seed][0]} were trained on different partitions "
                                f"({h} vs {hashes[seed][1]}); the comparison would be meaningless")
         hashes.setdefault(seed, (alg, h))
-    budgets = {json.dumps(budget(r["config"]), sort_keys=True, default=str): key for key, r in results.items()}
+    budgets = {json.dumps(shared_budget(r["config"]), sort_keys=True, default=str): key for key, r in results.items()}
     if len(budgets) > 1:
-        warnings.append("runs differ in budget (rounds/local epochs/batch/lr/clients/partition): "
-                        + "; ".join(f"{a}/seed{s}" for a, s in budgets.values()))
+        warnings.append("runs differ in what every method should share (rounds/local epochs/batch/optimizer/"
+                        "clients/partition/model/evaluation): " + "; ".join(f"{a}/seed{s}" for a, s in budgets.values()))
+    per_alg: dict[str, dict[int, dict[str, Any]]] = {}
+    for (alg, seed), r in sorted(results.items()):
+        per_alg.setdefault(alg, {})[seed] = r
+    figures = {alg: {seed: seed_metrics(r) for seed, r in runs.items()} for alg, runs in per_alg.items()}
+    majority_runs = {}
+    for (alg, seed), r in sorted(results.items()):
+        majority_runs.setdefault(seed, r)
+    figures[MAJORITY] = {seed: majority_metrics(r) for seed, r in majority_runs.items()}
+    ref = figures.get(reference) if reference else None
+
+    def spread(row: dict[str, Any], figs: dict[int, dict[str, Any]]) -> None:
+        for m in METRICS:
+            for key in (m, f"{m}_last3"):
+                vals = [f[key] for f in figs.values()]
+                row[key], row[f"{key}_std"] = _mean(vals), _std(vals)
+        if ref is not None:
+            for key in ("acc_mean", "acc_mean_last3"):
+                diff = paired({s: f[key] for s, f in figs.items()}, {s: f[key] for s, f in ref.items()})
+                row[f"diff_{key}"], row[f"diff_{key}_std"] = _mean(list(diff.values())), _std(list(diff.values()))
+                if key == "acc_mean":
+                    row["diff_acc_mean_per_seed"] = " ".join(f"{s}:{d:+.4f}" for s, d in diff.items())
+                    row["diff_seeds"] = len(diff)
+            row["diff_reference"] = reference
+
     rows: list[dict[str, Any]] = []
     for alg in algorithms:
-        runs = {seed: r for (a, seed), r in sorted(results.items()) if a == alg}
+        runs = per_alg.get(alg)
         if not runs:
             continue
-        summaries = [r["summary"] for r in runs.values()]
         first = next(iter(runs.values()))
-        up, down, d = (params or {}).get((alg, next(iter(runs)))) or communication(first["config"])
-        b = budget(first["config"])
-        accs = [s["acc_mean"] for s in summaries]
-        rows.append({
-            "algorithm": alg, "runs": len(runs),
-            "acc_mean": _mean(accs), "acc_mean_std_over_seeds": _std(accs),
+        cfg = first["config"]
+        spent = [run_budget(r) for r in runs.values()]
+        b = spent[0]
+        steps = [x.get("local_steps") for x in spent]
+        summaries = [r["summary"] for r in runs.values()]
+        row: dict[str, Any] = {
+            "algorithm": alg, "seeds": len(runs),
             "acc_std_across_clients": _mean([s["acc_std"] for s in summaries]),
-            "acc_min": _mean([s["acc_min"] for s in summaries]),
             "acc_max": _mean([s["acc_max"] for s in summaries]),
-            "acc_weighted": _mean([s["acc_weighted"] for s in summaries]),
+            "balanced_acc_mean": _mean([f["balanced_acc_mean"] for f in figures[alg].values()]),
+            "macro_f1_mean": _mean([f["macro_f1_mean"] for f in figures[alg].values()]),
+            "assignment_ari": _mean([f["assignment_ari"] for f in figures[alg].values()]),
+            "models_in_use": _mean([f["models_in_use"] for f in figures[alg].values()]),
+            "protocol": summaries[0].get("protocol", "final"), "optimistic": bool(summaries[0].get("optimistic", False)),
+            "rounds": b["rounds"], "local_steps": None if None in steps else _mean(steps),
+            "server_models": b.get("server_models"),
+            **{k: b.get(k) for k in ("bytes_up_per_round", "bytes_down_per_round", "bytes_up_per_client_round",
+                                     "bytes_down_per_client_round", "params_up_per_client_round",
+                                     "params_down_per_client_round", "num_parameters", "participants_per_round")},
             "seconds_per_round": _mean([r["seconds_per_round"] for r in runs.values()]),
-            "params_up_per_client_round": up, "params_down_per_client_round": down, "num_parameters": d,
-            "rounds": b["rounds"], "local_epochs": b["local_epochs"], "batch_size": b["batch_size"],
-            "lr": b["lr"], "num_clients": b["num_clients"],
-        })
-    # the majority-label baseline of each seed's partition (any algorithm's run of that seed)
-    per_seed = {}
-    for (alg, seed), r in sorted(results.items()):
-        per_seed.setdefault(seed, r)
-    if per_seed:
-        maj = [[c["majority_acc"] for c in r["clients"]] for r in per_seed.values()]
-        means = [_mean(m) for m in maj]
-        rows.append({
-            "algorithm": MAJORITY, "runs": len(per_seed),
-            "acc_mean": _mean(means), "acc_mean_std_over_seeds": _std(means),
-            "acc_std_across_clients": _mean([_population_std(m) for m in maj]),
-            "acc_min": _mean([min(m) for m in maj]), "acc_max": _mean([max(m) for m in maj]),
-            "acc_weighted": _mean([r["summary"]["majority_acc_weighted"] for r in per_seed.values()]),
-            "seconds_per_round": math.nan, "params_up_per_client_round": 0, "params_down_per_client_round": 0,
-            "num_parameters": 0,
-        })
+            "wall_time_s": _mean([r.get("wall_time_s") for r in runs.values()]),
+            "lr": cfg["optim"]["lr"], "hyperparameters": own_keys(cfg),
+            "preset": (presets or {}).get(alg, ""),
+            "local_epochs": cfg["local_epochs"], "batch_size": cfg["dataset"]["batch_size"],
+            "num_clients": cfg["num_clients"],
+        }
+        spread(row, figures[alg])
+        rows.append(row)
+    if majority_runs:
+        maj = figures[MAJORITY]
+        row = {"algorithm": MAJORITY, "seeds": len(maj),
+               "acc_std_across_clients": _mean([f["acc_std_across_clients"] for f in maj.values()]),
+               "acc_max": _mean([f["acc_max"] for f in maj.values()]),
+               "bytes_up_per_round": 0, "bytes_down_per_round": 0, "local_steps": 0, "server_models": 0}
+        spread(row, maj)
+        rows.append(row)
     return rows, warnings
 
 
 def _fmt(x: Any, digits: int = 4) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return ""
+    if isinstance(x, bool):
+        return "true" if x else "false"
     if isinstance(x, float):
         return f"{x:.{digits}f}"
     return str(x)
@@ -328,27 +498,70 @@ def to_csv(rows: Sequence[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
+def _pm(row: dict[str, Any], key: str) -> str:
+    """``mean ± std`` of one figure (the std only with two seeds or more)."""
+    value = row.get(key)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    std = row.get(f"{key}_std")
+    return f"{value:.4f}" + ("" if std is None or math.isnan(std) else f" ± {std:.4f}")
+
+
+def _mb(value: Any) -> str:
+    return "" if value is None else f"{value / 1e6:.3f}"
+
+
 def to_markdown(rows: Sequence[dict[str, Any]], title: str, notes: Sequence[str] = ()) -> str:
+    """compare.md: an accuracy table (mean ± std over seeds; the paired difference against the
+    reference method), a budget table, then the notes."""
+    ref = next((r.get("diff_reference") for r in rows if r.get("diff_reference")), None)
     lines = [f"# {title}", ""]
+    if any(r.get("optimistic") for r in rows):
+        lines += ["**OPTIMISTIC: protocol `reference` reports the best evaluation round on the test data "
+                  "(as the reference code does); these figures flatter every method.**", ""]
     lines += [
-        "| algorithm | client-mean acc | std across clients | min | max | sample-weighted | s / round | "
-        "params up / down per client per round |",
-        "|---|---|---|---|---|---|---|---|",
+        "| algorithm | client-mean acc | last 3 evals | sample-weighted | worst client | worst, last 3 | "
+        + (f"Δ vs {ref} (paired, per seed) | " if ref else "") + "balanced acc | macro-F1 | ARI |",
+        "|---|---|---|---|---|---|" + ("---|" if ref else "") + "---|---|---|",
     ]
     for r in rows:
-        acc = f"{r['acc_mean']:.4f}"
-        if not math.isnan(r["acc_mean_std_over_seeds"]):
-            acc += f" ± {r['acc_mean_std_over_seeds']:.4f}"
+        diff = ""
+        if ref:
+            if r["algorithm"] != ref and r.get("diff_seeds"):
+                std = r.get("diff_acc_mean_std")
+                diff = f"{r['diff_acc_mean']:+.4f}" + ("" if std is None or math.isnan(std) else f" ± {std:.4f}")
+                diff += f" [{r['diff_acc_mean_per_seed']}]"
+            diff = diff + " | "
+        lines.append(f"| {r['algorithm']} | {_pm(r, 'acc_mean')} | {_pm(r, 'acc_mean_last3')} | {_pm(r, 'acc_weighted')} | "
+                     f"{_pm(r, 'acc_min')} | {_pm(r, 'acc_min_last3')} | {diff}{_fmt(r.get('balanced_acc_mean'))} | "
+                     f"{_fmt(r.get('macro_f1_mean'))} | {_fmt(r.get('assignment_ari'), 2)} |")
+    lines += ["", "| algorithm | lr | own keys | rounds | local SGD steps | server models | MB up / down per round | "
+                  "s / round |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
         if r["algorithm"] == MAJORITY:
-            seconds, comm = "", "(reference)"
-        else:
-            seconds = f"{r['seconds_per_round']:.2f}"
-            comm = f"{r['params_up_per_client_round']:,} / {r['params_down_per_client_round']:,}"
-        lines.append(f"| {r['algorithm']} | {acc} | {r['acc_std_across_clients']:.4f} | {r['acc_min']:.4f} | "
-                     f"{r['acc_max']:.4f} | {r['acc_weighted']:.4f} | {seconds} | {comm} |")
+            continue
+        steps = "" if r.get("local_steps") is None else f"{r['local_steps']:,.0f}"
+        lines.append(f"| {r['algorithm']} | {_fmt(r.get('lr'), 4)} | {r.get('hyperparameters', '')} | {r.get('rounds')} | "
+                     f"{steps} | {_fmt(r.get('server_models'))} | {_mb(r.get('bytes_up_per_round'))} / "
+                     f"{_mb(r.get('bytes_down_per_round'))} | {_fmt(r.get('seconds_per_round'), 2)} |")
     lines.append("")
     lines += [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def ranking_note(rows: Sequence[dict[str, Any]], reference: str | None) -> str | None:
+    """Whether the reference method (fedfew) is first on client-mean accuracy, said plainly."""
+    ranked = sorted((r for r in rows if r["algorithm"] != MAJORITY), key=lambda r: -r["acc_mean"])
+    names = [r["algorithm"] for r in ranked]
+    if not reference or reference not in names or len(names) < 2:
+        return None
+    place = names.index(reference)
+    if place == 0:
+        return f"{reference} is first on client-mean accuracy ({ranked[0]['acc_mean']:.4f}; next: " \
+               f"{ranked[1]['algorithm']} {ranked[1]['acc_mean']:.4f})"
+    ahead = ", ".join(f"{r['algorithm']} {r['acc_mean']:.4f}" for r in ranked[:place])
+    return (f"**{reference} is not first**: it ranks {place + 1} of {len(names)} on client-mean accuracy "
+            f"({ranked[place]['acc_mean']:.4f}); ahead of it: {ahead}")
 
 
 def write_tables(out: Path, rows: Sequence[dict[str, Any]], title: str, notes: Sequence[str] = ()) -> None:
@@ -358,8 +571,9 @@ def write_tables(out: Path, rows: Sequence[dict[str, Any]], title: str, notes: S
 
 
 def describe(rows: Sequence[dict[str, Any]], results: dict[tuple[str, int], dict[str, Any]], dataset: str,
-             seeds: Sequence[int]) -> tuple[str, list[str]]:
-    """Title and notes of the markdown table (the shared budget and how to read the columns)."""
+             seeds: Sequence[int], reference: str | None = "fedfew") -> tuple[str, list[str]]:
+    """Title and notes of the markdown table: what every method shared, what differs (lr,
+    own keys, presets), the ranking, and how to read the columns."""
     cfg = next(iter(results.values()))["config"] if results else {}
     part = cfg.get("partition", {})
     scheme = part.get("name", "?")
@@ -367,24 +581,117 @@ def describe(rows: Sequence[dict[str, Any]], results: dict[tuple[str, int], dict
         scheme += f" alpha={part.get('alpha')}"
     elif scheme == "pathological":
         scheme += f" {part.get('classes_per_client')} classes/client"
-    title = f"{dataset}: personalized test accuracy, seeds {' '.join(map(str, seeds))}"
+    elif scheme == "clustered":
+        scheme += f" {part.get('groups')} groups ({part.get('group_transform')}, {part.get('group_data')})"
+    protocol = next((r.get("protocol") for r in rows if r.get("protocol")), "final")
+    title = (f"{dataset}: personalized test accuracy, protocol {protocol}"
+             + (" (OPTIMISTIC)" if any(r.get("optimistic") for r in rows) else "")
+             + f", seeds {' '.join(map(str, seeds))}")
     notes = []
+    ranking = ranking_note(rows, reference)
+    if ranking:
+        notes.append(ranking)
     if cfg:
-        d = next((r["num_parameters"] for r in rows if r["algorithm"] != MAJORITY), 0)
+        d = next((r.get("num_parameters") for r in rows if r["algorithm"] != MAJORITY and r.get("num_parameters")), 0)
         schedule = cfg["optim"].get("schedule", "constant")
         schedule = "" if schedule == "constant" else f" ({schedule} schedule)"
+        ev = cfg.get("eval") or {}
+        finetune = f" ({ev.get('finetune_epochs')} fine-tuning epoch(s))" if protocol in ("finetune", "reference") else ""
         notes.append(
-            f"budget shared by every algorithm: M={cfg['num_clients']} clients ({scheme}), {cfg['rounds']} rounds, "
-            f"{cfg['local_epochs']} local epoch(s), batch {cfg['dataset']['batch_size']}, {cfg['optim'].get('name', 'sgd')} lr {cfg['optim']['lr']}"
-            f"{schedule}, "
-            f"participation {cfg.get('participation')}; model {cfg['model']['name']} with d={d:,} parameters")
+            f"shared by every method: M={cfg['num_clients']} clients ({scheme}), {cfg['rounds']} rounds, "
+            f"{cfg['local_epochs']} local epoch(s), batch {cfg['dataset']['batch_size']}, local optimizer "
+            f"{cfg['optim'].get('name', 'sgd')}{schedule}, participation {cfg.get('participation')}, model "
+            f"{cfg['model']['name']} with d={d:,} parameters, protocol {protocol}{finetune}, the same seeds and partitions")
+    differs = []
+    for r in rows:
+        if r["algorithm"] == MAJORITY:
+            continue
+        source = r.get("preset") or ""
+        where = (f"tuned preset {source}" + (f", best validation acc {preset_score(source)}" if preset_score(source) else "")
+                 if source else "no preset: config defaults")
+        differs.append(f"{r['algorithm']}: lr {r.get('lr')}; {r.get('hyperparameters') or '(no own keys)'} ({where})")
+    if differs:
+        notes.append("what differs per method (each tuned the same way on validation data, make tune; docs/tuning.md): "
+                     + " | ".join(differs) + "; and the local SGD steps, server models and bytes in the budget table")
     notes += [
-        "client-mean acc: mean over clients of each client's test accuracy (final round), mean ± std over seeds; "
-        "std/min/max: across clients (averaged over seeds); sample-weighted: total correct / total test samples",
-        "params up / down: parameters one participating client sends / receives per round",
+        "client-mean acc: mean over clients of each client's test accuracy at the reported round (final, or the best "
+        "round under protocol reference), mean ± sample std over seeds; last 3 evals: the mean of the last three "
+        "evaluations of each run; worst client: min over clients; sample-weighted: total correct / total test samples",
+        (f"Δ vs {reference}: per seed, the method's client-mean acc minus {reference}'s on the same seed (same partition), "
+         "mean ± std over seeds, then each seed's value" if reference else ""),
+        "balanced acc: mean recall over the classes in each client's test labels; macro-F1: torchmetrics' macro average; "
+        "ARI: adjusted Rand index of the model assignment against the true client groups (clustered partitions, "
+        "methods with several models)",
+        "local SGD steps: optimizer steps of local training over the whole run (mean over seeds); MB up / down: bytes all "
+        "participating clients send / receive per round (parameters x element size; 1 MB = 10^6 bytes)",
         "majority label: each client predicts the most frequent label of its own train split (same partitions)",
     ]
-    return title, notes
+    return title, [n for n in notes if n]
+
+
+# -- pictures ----------------------------------------------------------------------------------
+
+def curves(results: dict[tuple[str, int], dict[str, Any]], algorithms: Sequence[str]
+           ) -> dict[str, dict[str, Any]]:
+    """Per algorithm: evaluation rounds, client-mean accuracy (seeds x rounds, over the rounds
+    every seed evaluated) and cumulative bytes (up + down) at those rounds."""
+    out = {}
+    for alg in algorithms:
+        runs = [r for (a, _), r in sorted(results.items()) if a == alg]
+        if not runs:
+            continue
+        per_seed = [{int(e["round"]): float(e["acc_mean"]) for e in (r.get("evaluations") or [])} for r in runs]
+        rounds = sorted(set.intersection(*(set(p) for p in per_seed))) if per_seed else []
+        b = run_budget(runs[0])
+        per_round = (b.get("bytes_up_per_round") or 0) + (b.get("bytes_down_per_round") or 0)
+        out[alg] = {"rounds": rounds, "acc": [[p[t] for t in rounds] for p in per_seed],
+                    "bytes": [t * per_round for t in rounds]}
+    return out
+
+
+def write_plots(out: Path, results: dict[tuple[str, int], dict[str, Any]], algorithms: Sequence[str],
+                majority: float | None, title: str) -> list[Path]:
+    """``accuracy_rounds.png`` and ``accuracy_bytes.png`` in ``out``: one line per method (mean
+    over seeds) with a band of ± one std over seeds; methods that communicate nothing (local)
+    are a dashed horizontal line at their final accuracy in the bytes plot."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    from fedfew.plots import save_figure
+
+    data = curves(results, algorithms)
+    written = []
+    for name, xkey, xlabel in (("accuracy_rounds.png", "rounds", "round"),
+                               ("accuracy_bytes.png", "bytes", "cumulative bytes communicated (up + down, MB)")):
+        fig = Figure(figsize=(7.5, 4.5))
+        ax = fig.add_subplot(1, 1, 1)
+        for i, (alg, c) in enumerate(data.items()):
+            if not c["rounds"]:
+                continue
+            acc = np.asarray(c["acc"], dtype=float)
+            mean = acc.mean(axis=0)
+            std = acc.std(axis=0, ddof=1) if len(acc) > 1 else np.zeros_like(mean)
+            color = f"C{i % 10}"
+            if xkey == "bytes":
+                x = np.asarray(c["bytes"], dtype=float) / 1e6
+                if not x.any():
+                    ax.axhline(mean[-1], color=color, linestyle="--", label=f"{alg} (no communication)")
+                    continue
+            else:
+                x = np.asarray(c["rounds"], dtype=float)
+            ax.plot(x, mean, marker="o", markersize=3, color=color, label=alg)
+            if len(acc) > 1:
+                ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.2)
+        if majority is not None:
+            ax.axhline(majority, color="grey", linestyle=":", label=MAJORITY)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("client-mean accuracy")
+        ax.set_title(title, fontsize="small")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small", ncol=2)
+        fig.tight_layout()
+        written.append(save_figure(fig, out / name))
+    return written
 
 
 def collect(runs: Sequence[Run]) -> dict[tuple[str, int], dict[str, Any]]:
@@ -413,6 +720,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="seeds (default 0)")
     parser.add_argument("--out", default=None, help="output folder (default outputs/compare/<dataset>)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
+    parser.add_argument("--presets", default=None,
+                        help="folder of <dataset>_<algorithm>.yaml presets to use instead of conf/tuned "
+                             "(make tune's <out>/presets), or 'none' for the config defaults")
+    parser.add_argument("--reference", default="fedfew",
+                        help="the method every other is paired against (default fedfew; absent: the first algorithm)")
     args = parser.parse_args(argv)
     args.extra = [e for e in extra if e.strip()]
     # one string with spaces (make ALGORITHMS="a b") is accepted as well as separate words
@@ -422,29 +734,46 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
     algorithms = args.algorithms or default_algorithms()
     from fedfew.algorithms import ALGORITHMS
 
     for alg in algorithms:
         ALGORITHMS.get(alg)  # unknown names fail here, with the list of known ones
-    bad = [e for e in args.extra if e.split("=")[0].lstrip("+~") in ("dataset", "algorithm", "seed", "hydra.run.dir")]
+    bad = [e for e in args.extra
+           if e.split("=")[0].lstrip("+~") in ("dataset", "algorithm", "seed", "hydra.run.dir", "tuned")]
     if bad:
-        raise CompareError(f"{bad}: dataset, algorithm, seed and the run directory are set by the comparison "
-                           "(use --dataset/--algorithms/--seeds/--out)")
+        raise CompareError(f"{bad}: dataset, algorithm, seed, the run directory and the presets are set by the "
+                           "comparison (use --dataset/--algorithms/--seeds/--out/--presets)")
+    if args.presets not in (None, "none") and not Path(args.presets).expanduser().is_dir():
+        raise CompareError(f"--presets {args.presets}: no such folder (make tune writes <out>/presets; "
+                           "'none' runs every method with its config defaults)")
+    reference = args.reference if args.reference in algorithms else algorithms[0]
     out = Path(args.out or f"outputs/compare/{args.dataset}").expanduser().resolve()
-    runs = [Run(alg, seed, out, tuple(args.extra), args.dataset) for seed in args.seeds for alg in algorithms]
+    presets = {alg: preset_for(args.dataset, alg, args.presets, args.extra) for alg in algorithms}
+    runs = [Run(alg, seed, out, tuple(args.extra), args.dataset, *presets[alg]) for seed in args.seeds
+            for alg in algorithms]
     start = time.perf_counter()
     status = run_all(runs, jobs=args.jobs)
     results = collect(runs)
-    rows, warnings = summarize(results, algorithms)
-    title, notes = describe(rows, results, args.dataset, args.seeds)
+    rows, warnings = summarize(results, algorithms, reference, {a: p[1] for a, p in presets.items()})
+    title, notes = describe(rows, results, args.dataset, args.seeds, reference)
     failed = [f"{r.algorithm}/seed{r.seed}" for r, s in status.items() if s == "failed"]
     if failed:
         warnings.append(f"failed runs (left out; logs in {out / 'logs'}): {', '.join(failed)}")
+    elapsed = time.perf_counter() - start
+    run_wall = sum(float(r.get("wall_time_s") or 0.0) for r in results.values())
+    notes.append(f"command: `python -m fedfew.compare {' '.join(shlex.quote(a) for a in argv)}`; this invocation "
+                 f"took {elapsed / 60:.1f} min with {args.jobs} job(s) ({len(status) - sum(s == 'reused' for s in status.values())} "
+                 f"run(s) trained); the {len(results)} runs' round loops took {run_wall / 60:.1f} min in total")
     write_tables(out, rows, title, [*warnings, *notes])
+    majority = next((r["acc_mean"] for r in rows if r["algorithm"] == MAJORITY), None)
+    if results:
+        write_plots(out, results, algorithms, majority, title)
     print(to_markdown(rows, title, [*warnings, *notes]))
-    print(f"wrote {out / 'compare.csv'} and {out / 'compare.md'} ({time.perf_counter() - start:.0f} s)")
+    print(f"wrote {out / 'compare.csv'}, {out / 'compare.md'}, accuracy_rounds.png and accuracy_bytes.png "
+          f"({elapsed:.0f} s)")
     return 1 if failed else 0
 
 

@@ -49,6 +49,11 @@ RULES: list[Rule] = [
     Rule("rounds", "integer >= 1", lambda v: _is_int(v) and v >= 1),
     Rule("local_epochs", "integer >= 1", lambda v: _is_int(v) and v >= 1),
     Rule("eval_every", "integer >= 1", lambda v: _is_int(v) and v >= 1),
+    Rule("eval.protocol", "final | finetune | reference (reference: optimistic, best round on test)",
+         lambda v: v in ("final", "finetune", "reference")),
+    Rule("eval.finetune_epochs", "integer >= 1 (finetune / reference)", lambda v: _is_int(v) and v >= 1),
+    Rule("eval.split", "test | val (val: score on the validation split, never on test; needs partition.val_fraction > 0)",
+         lambda v: v in ("test", "val")),
     Rule("participation", "number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1),
     Rule("checkpoint_every", "integer >= 0 (0: only on SIGTERM/SIGUSR1/Ctrl-C)", lambda v: _is_int(v) and v >= 0),
     Rule("resume_extend_rounds", "true | false (true: a resume may raise rounds above the checkpoint's)",
@@ -214,6 +219,12 @@ def validate_config(cfg: DictConfig) -> None:
             f"  algorithm.sigma={sigma!r} > 1/algorithm.K = {1.0 / K:g}: the importance floor must be <= 1/K "
             "(K floored weights must fit in a row summing to 1)"
         )
+    if _lookup(cfg, "eval.split") == "val" and _lookup(cfg, "partition.val_fraction") in (0, 0.0):
+        problems.append("  eval.split=val with partition.val_fraction=0: there is no validation split to score on; "
+                        "use partition.val_fraction=0.2 (for example) or eval.split=test")
+    if _lookup(cfg, "eval.split") == "val" and _lookup(cfg, "eval.protocol") == "reference":
+        problems.append("  eval.split=val with eval.protocol=reference: the reference protocol picks the best round "
+                        "on test; use eval.protocol=final or finetune when scoring on the validation split")
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(problems))
 
@@ -229,5 +240,7 @@ def rules_markdown() -> str:
     lines.append("| `partition.groups` vs `num_clients` | groups <= M; rotate: groups <= 4 and image data |")
     lines.append("| `algorithm=oracle` vs `partition` | the oracle needs partition=clustered |")
     lines.append("| `engine` vs `optim.name` | engine=vmap needs optim.name=sgd |")
+    lines.append("| `eval.split` vs `partition.val_fraction`, `eval.protocol` | split=val needs val_fraction > 0 and "
+                 "protocol final or finetune |")
     lines.append("| `optim.min_lr` vs `optim.lr` | min_lr <= lr (the cosine schedule anneals from lr down to min_lr) |")
     return "\n".join(lines)

@@ -27,7 +27,8 @@ from fedfew.checkpoint import (StopSignal, check_resume_config, checkpoint_path,
 from fedfew.data.base import FederatedData
 from fedfew.data.federated import build_federated_data, to_device
 from fedfew.distributed import all_reduce_, gather_rows, merge_dicts
-from fedfew.evaluation import evaluate_clients
+from fedfew.budget import StepCounter, communication
+from fedfew.evaluation import EvalSettings, best_round, evaluate_clients, reported
 from fedfew.io import atomic_torch_save
 from fedfew.models import MODELS, DataInfo
 from fedfew.module import KModelSet, round_lr
@@ -113,6 +114,11 @@ class Simulation:
             my_clients=self.my_clients,
         )
         self.algorithm = alg_cls(cfg.algorithm, self.ctx)
+        # per participating client per round (fedfew.budget); steps are not counted by the vmap engine
+        self.communication = communication(alg_cls, cfg.algorithm, self.module.models[0])
+        self.count_steps = str(cfg.get("engine", "loop")) != "vmap"
+        self.eval_settings = EvalSettings.from_config(cfg)
+        self.best_evaluation: dict[str, Any] | None = None  # eval.protocol=reference: best round so far
         self.history: list[dict[str, Any]] = []
         self.evaluations: list[dict[str, Any]] = []
         self.start_round = 1
@@ -142,10 +148,11 @@ class Simulation:
         self.module.lr = round_lr(self.cfg.optim, rnd, int(self.cfg.rounds))  # every local optimizer of this round
         self.algorithm.begin_round(rnd, participants)
         rows: dict[str, dict[int, torch.Tensor]] = {}
-        for cid in self.my_clients(participants):
-            out = self.algorithm.client_update(self.host_data.clients[cid], rnd)
-            for name, value in out.items():
-                rows.setdefault(name, {})[position[cid]] = value.to(self.fabric.device)
+        with StepCounter() as steps:
+            for cid in self.my_clients(participants):
+                out = self.algorithm.client_update(self.host_data.clients[cid], rnd)
+                for name, value in out.items():
+                    rows.setdefault(name, {})[position[cid]] = value.to(self.fabric.device)
         gathered = {
             name: gather_rows(rows.get(name, {}), len(participants),
                               torch.zeros(shape(self.module.K), dtype=torch.float64, device=self.fabric.device))
@@ -154,13 +161,49 @@ class Simulation:
         logs = self.algorithm.end_round(rnd, participants, gathered)
         logs.update(round=rnd, participants=participants, round_time_s=time.perf_counter() - start,
                     lr=self.module.lr)
+        logs.update(self._spent(len(participants), steps.count))
         return logs
+
+    def _spent(self, num_participants: int, steps: int) -> dict[str, int]:
+        """This round's budget (every rank gets the same): bytes sent up and down by all its
+        participants, local SGD steps (summed over ranks; absent with the vmap engine), and
+        their running totals (continued across a resume from the restored history)."""
+        prev = self.history[-1] if self.history else {}
+        out: dict[str, int] = {"bytes_up": self.communication.bytes_up * num_participants,
+                               "bytes_down": self.communication.bytes_down * num_participants}
+        if self.count_steps:
+            out["local_steps"] = int(all_reduce_(torch.tensor([float(steps)], device=self.fabric.device)).item())
+        for key in list(out):
+            out[f"{key}_cumulative"] = int(prev.get(f"{key}_cumulative", 0)) + out[key]
+        return out
+
+    def budget(self) -> dict[str, Any]:
+        """What the run spent so far (results.json ``budget``): rounds, server models kept,
+        participants per round, parameters d of one model, communication per participating
+        client per round (:class:`fedfew.budget.Communication`), bytes per round and in total,
+        local SGD steps (None with the vmap engine, which does not count them)."""
+        last = self.history[-1] if self.history else {}
+        per_round = len(last.get("participants") or [])
+        c = self.communication
+        return {
+            "rounds": len(self.history), "server_models": int(self.module.K), "participants_per_round": per_round,
+            "num_parameters": sum(p.numel() for p in self.module.models[0].parameters()),
+            "params_up_per_client_round": c.params_up, "params_down_per_client_round": c.params_down,
+            "bytes_per_parameter": c.bytes_per_parameter,
+            "bytes_up_per_client_round": c.bytes_up, "bytes_down_per_client_round": c.bytes_down,
+            "bytes_up_per_round": c.bytes_up * per_round, "bytes_down_per_round": c.bytes_down * per_round,
+            "bytes_up_total": int(last.get("bytes_up_cumulative", 0)),
+            "bytes_down_total": int(last.get("bytes_down_cumulative", 0)),
+            "local_steps": int(last["local_steps_cumulative"]) if "local_steps_cumulative" in last else None,
+        }
 
     def evaluate(self, rnd: int) -> dict[str, Any]:
         """Selection + personalized accuracy of every client (all clients, not only participants)."""
         mine = [self.host_data.clients[c] for c in self.my_clients(list(range(self.num_clients)))]
-        result = evaluate_clients(self.algorithm, self.ctx, mine, self.num_clients)
+        result = evaluate_clients(self.algorithm, self.ctx, mine, self.num_clients, rnd)
         result["round"] = rnd
+        if self.eval_settings.optimistic:
+            self.best_evaluation = best_round(self.best_evaluation, result)
         return result
 
     # ---- checkpoints -------------------------------------------------------------------
@@ -182,6 +225,7 @@ class Simulation:
             "wall_time_s": self.wall_time_s,
             "partition_hash": self.host_data.partition_hash,
             "logger_state": self.logger_state,
+            "best_evaluation": self.best_evaluation,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -208,6 +252,7 @@ class Simulation:
         self.evaluations = list(state["evaluations"])
         self.wall_time_s = float(state.get("wall_time_s", 0.0))
         self.logger_state = dict(state.get("logger_state", {}))
+        self.best_evaluation = state.get("best_evaluation")
         self.start_round = int(state["round"]) + 1
 
     def save_checkpoint(self, rnd: int) -> None:
@@ -258,6 +303,7 @@ class Simulation:
             self.stop_signal.uninstall()
         wall = self.wall_time_s
         final = evaluation if evaluation is not None else self.evaluate(int(cfg.rounds))
+        final = reported(final, self.best_evaluation, self.eval_settings)  # reference: the best round
         final["summary"]["rounds"] = int(cfg.rounds)
         final["summary"].update(self.algorithm.summary())  # e.g. K=auto's K_changes
         results = {
@@ -275,6 +321,7 @@ class Simulation:
             "seconds_per_round": wall / max(1, len(self.history)),
             "train_seconds_per_round": sum(float(h["round_time_s"]) for h in self.history) / max(1, len(self.history)),
             "world_size": fabric.world_size,
+            "budget": self.budget(),
         }
         if cfg.get("save_models", False) and fabric.global_rank == 0:
             atomic_torch_save(self.run_dir / "models.pt", [m.state_dict() for m in self.module.models])

@@ -1,0 +1,666 @@
+"""Tune every method the same way, on validation data, and write presets (``make tune``).
+
+    python -m fedfew.tune --dataset digits --algorithms fedfew fedavg fedrep --trials 12 --jobs 2 \\
+        --out outputs/tune/digits -- trainer.threads=1
+
+For each algorithm, an Optuna study (TPE sampler, seeded) runs the same number of trials. A
+trial is one isolated ``python -m fedfew.train`` subprocess per tuning seed with the sampled
+values, ``partition.val_fraction`` (``--val-fraction``, default 0.2: a stratified share of each
+client's train split held out, never trained on), ``eval.split=val`` (clients select their model
+on the train split and are scored on the validation split; the test split is never evaluated,
+:mod:`fedfew.evaluation`), ``~tuned`` (no existing preset leaks into a trial) and the extra
+overrides after ``--``. Its score is the client-mean validation accuracy, averaged over the
+last three evaluations of the run (``--objective last3``, default; ``final``: the last one),
+then over the tuning seeds.
+
+Search spaces live in one place, one file per algorithm: ``conf/tune/common.yaml`` (the local
+learning rate, log-uniform around the dataset's ``dataset.lr``, for every method) plus
+``conf/tune/<algorithm>.yaml`` (the method's own keys; ``{}`` for lr only). A key fixed by the
+extra overrides is left out of the search; an algorithm left with nothing to search is an
+error.
+
+Written to ``<out>`` (default ``outputs/tune/<dataset>``):
+
+- ``<algorithm>/study.db``: the Optuna study (SQLite). An interrupted tune resumes: finished
+  trials are kept, a trial that was running is run again with the same values.
+- ``<algorithm>/trial<NNN>/seed<S>``: each trial's run folders; ``logs/``: their output.
+- ``presets/<dataset>_<algorithm>.yaml``: the best values, with the search space, the trial
+  budget, the best validation score, the seeds, the tuning setup and the command as comments.
+- ``tune.md``: one line per algorithm (best score, values, trials, time).
+
+With ``--install auto`` (default) the presets are also written to ``conf/tuned/``, where they
+apply to every run of that (dataset, algorithm) pair (``optional tuned`` in conf/config.yaml),
+unless the extra overrides change the setup (the partition, the clients, the model, the
+rounds ...): a preset in ``conf/tuned`` is tuned for the dataset's default setup. Presets for
+another setup stay in ``<out>/presets``; ``make compare PRESETS=<out>/presets`` uses them.
+
+Every trial sequence is reproducible: the sampler of each batch of ``--jobs`` trials is seeded
+from ``--sampler-seed`` and the number of finished trials, so the same command (same
+``--jobs``) chooses the same values, and a resumed tune (``--trials`` may grow) continues as the
+uninterrupted one would have. The first ``--startup`` trials (default 4) are random, TPE models
+the rest. Hydra's Optuna sweeper (hydra-optuna-sweeper) is not used: it pins optuna < 3.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from fedfew.io import atomic_write_text
+from fedfew.seeding import derive_seed
+
+CONFIG_DIR = Path(__file__).resolve().parent / "conf"
+#: one search-space file per algorithm, plus common.yaml (the local lr, for every method)
+SPACE_DIR = CONFIG_DIR / "tune"
+#: the presets that apply automatically (conf/tuned/<dataset>_<algorithm>.yaml)
+TUNED_DIR = CONFIG_DIR / "tuned"
+OBJECTIVES = ("last3", "final")
+#: override keys that do not change what a preset is tuned for (threads, logging, engines, paths)
+SETUP_NEUTRAL = ("trainer.", "logger", "data_dir", "engine", "engine_clients", "compile", "checkpoint_every",
+                 "save_models", "fail_on_nonfinite", "collapse.", "eval_every")
+#: keys the tune sets itself (trials) or that a comparison sets per run
+RESERVED = ("dataset", "algorithm", "seed", "hydra.run.dir", "partition.val_fraction", "eval.split", "tuned")
+TRAIN_COMMAND = (sys.executable, "-m", "fedfew.train")
+
+
+class TuneError(RuntimeError):
+    """The tune cannot run as asked (unknown algorithm, no or empty search space, bad
+    overrides, a folder made by a different tune, a failed trial)."""
+
+
+# -- search spaces ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Dimension:
+    """One searched key.
+
+    Attributes:
+        key: dotted config key (``optim.lr``, ``algorithm.mu``).
+        low, high: bounds (inclusive); for ``scale``, multiples of that config value.
+        log: sample log-uniformly (low > 0).
+        kind: ``float`` | ``int`` | ``categorical``.
+        choices: the options of a categorical key.
+        scale: a config key whose value multiplies low and high (``dataset.lr``), or None.
+    """
+
+    key: str
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    kind: str = "float"
+    choices: tuple = ()
+    scale: str | None = None
+
+    @classmethod
+    def parse(cls, key: str, spec: Any, source: Path) -> "Dimension":
+        """From one entry of a space file (``key: {low, high, log, type, scale}`` or
+        ``key: {choices: [...]}``).
+
+        Raises:
+            TuneError: a malformed entry (named with its file).
+        """
+        where = f"{source}: {key}"
+        if not isinstance(spec, dict):
+            raise TuneError(f"{where}: expected a mapping {{low, high[, log, type, scale]}} or {{choices: [...]}}, "
+                            f"got {spec!r}")
+        unknown = set(spec) - {"low", "high", "log", "type", "scale", "choices"}
+        if unknown:
+            raise TuneError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: low, high, log, type, scale, choices")
+        if "choices" in spec:
+            choices = tuple(spec["choices"] or ())
+            if len(choices) < 2:
+                raise TuneError(f"{where}: choices needs at least two options, got {list(choices)}")
+            return cls(key, kind="categorical", choices=choices)
+        kind = str(spec.get("type", "float"))
+        if kind not in ("float", "int"):
+            raise TuneError(f"{where}: type={kind!r}; allowed: float, int (or choices: [...])")
+        try:
+            low, high = float(spec["low"]), float(spec["high"])
+        except (KeyError, TypeError, ValueError):
+            raise TuneError(f"{where}: needs numeric low and high, got {spec!r}") from None
+        log = bool(spec.get("log", False))
+        if not (math.isfinite(low) and math.isfinite(high) and low < high) or (log and low <= 0):
+            raise TuneError(f"{where}: needs low < high (and low > 0 with log: true), got low={low}, high={high}")
+        return cls(key, low, high, log, kind, (), spec.get("scale"))
+
+    def resolve(self, cfg) -> "Dimension":
+        """Bounds in the run's units: ``scale``'s value (from the composed ``cfg``) times
+        low and high.
+
+        Raises:
+            TuneError: the key or the scale key is not in the config.
+        """
+        from omegaconf import OmegaConf
+
+        if OmegaConf.select(cfg, self.key, default=_MISSING) is _MISSING:
+            raise TuneError(f"search space key {self.key} is not in the config of algorithm "
+                            f"{cfg.algorithm.name}; fix conf/tune/{cfg.algorithm.name}.yaml")
+        if self.scale is None:
+            return self
+        factor = OmegaConf.select(cfg, self.scale, default=_MISSING)
+        if factor is _MISSING or not isinstance(factor, (int, float)) or factor <= 0:
+            raise TuneError(f"search space {self.key}: scale {self.scale} is not a positive number in the config "
+                            f"({factor!r})")
+        return Dimension(self.key, self.low * factor, self.high * factor, self.log, self.kind, self.choices, None)
+
+    def suggest(self, trial) -> Any:
+        """The value of this key for an Optuna trial: floats rounded to 3 significant digits
+        (the run gets exactly the value the preset will hold), ints exact."""
+        if self.kind == "categorical":
+            return trial.suggest_categorical(self.key, list(self.choices))
+        if self.kind == "int":
+            return trial.suggest_int(self.key, int(self.low), int(self.high), log=self.log)
+        return float(f"{trial.suggest_float(self.key, self.low, self.high, log=self.log):.3g}")
+
+    def describe(self) -> str:
+        if self.kind == "categorical":
+            return f"{self.key} in {list(self.choices)}"
+        shape = ("log-uniform" if self.log else "uniform") + (" integer" if self.kind == "int" else "")
+        scale = f" x {self.scale}" if self.scale else ""
+        return f"{self.key} {shape} [{self.low:.4g}, {self.high:.4g}]{scale}"
+
+
+_MISSING = object()
+
+
+def load_space(algorithm: str, space_dir: Path | None = None) -> list[Dimension]:
+    """The search space of ``algorithm``: ``common.yaml`` (every method) then
+    ``<algorithm>.yaml`` (its own keys), unresolved.
+
+    Raises:
+        TuneError: no file for the algorithm, or a malformed one.
+    """
+    import yaml
+
+    space_dir = SPACE_DIR if space_dir is None else Path(space_dir)
+    dims: list[Dimension] = []
+    for path in (space_dir / "common.yaml", space_dir / f"{algorithm}.yaml"):
+        if not path.exists():
+            raise TuneError(f"no search space for algorithm {algorithm}: {path} is missing; add it with the method's "
+                            "own keys ({} to tune the local lr only; docs/tuning.md)")
+        content = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(content, dict):
+            raise TuneError(f"{path}: expected a mapping of dotted keys to ranges, got {type(content).__name__}")
+        dims += [Dimension.parse(str(k), v, path) for k, v in content.items()]
+    return dims
+
+
+def fixed_keys(extra: Sequence[str]) -> set[str]:
+    """Dotted keys set by the extra overrides (``a.b=1``, ``+a.b=1``, ``++a.b=1``)."""
+    return {o.split("=", 1)[0].lstrip("+~") for o in extra if "=" in o}
+
+
+# -- configs ----------------------------------------------------------------------------------
+
+def compose(overrides: Sequence[str]):
+    """The run config ``python -m fedfew.train <overrides>`` would get (no run folder).
+
+    Raises:
+        TuneError: Hydra cannot compose it (unknown group option, malformed override).
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+
+    backup = get_gh_backup()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=list(overrides))
+    except Exception as err:  # Hydra's ConfigCompositionException, OverrideParseException, ...
+        raise TuneError(f"cannot compose the config with {list(overrides)}: {err}") from err
+    finally:
+        restore_gh_from_backup(backup)
+
+
+def preset_overrides(path: str | Path) -> list[str]:
+    """A preset file's values as command-line overrides (``optim.lr=0.2``, ``algorithm.mu=0.1``),
+    to apply a preset that is not in ``conf/tuned`` (with ``~tuned``, which drops the default one).
+
+    Raises:
+        TuneError: the file is missing or not a mapping.
+    """
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise TuneError(f"preset {path} does not exist")
+    content = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(content, dict):
+        raise TuneError(f"preset {path}: expected a mapping, got {type(content).__name__}")
+
+    def flat(node: dict, prefix: str = "") -> list[str]:
+        out = []
+        for key, value in node.items():
+            if isinstance(value, dict):
+                out += flat(value, f"{prefix}{key}.")
+            else:
+                out.append(f"{prefix}{key}={_override_value(value)}")
+        return out
+
+    return flat(content)
+
+
+def _override_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return str(value)
+
+
+def describe_setup(cfg) -> str:
+    """The setup a preset is tuned for, in words (partition, clients, rounds, budget)."""
+    part = cfg.partition
+    scheme = str(part.name)
+    if scheme == "dirichlet":
+        scheme += f" alpha={part.alpha}"
+    elif scheme == "pathological":
+        scheme += f" {part.classes_per_client} classes per client"
+    elif scheme == "clustered":
+        scheme += (f" {part.groups} groups ({part.group_transform}, {part.group_data}), within {part.within}")
+    return (f"{cfg.dataset.name}, {scheme}, M={cfg.num_clients} clients, {cfg.rounds} rounds, "
+            f"{cfg.local_epochs} local epoch(s), batch {cfg.dataset.batch_size}, participation {cfg.participation}, "
+            f"model {cfg.model.name}")
+
+
+# -- one algorithm's study --------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    """Everything a tune of one algorithm needs (the study's identity is ``settings``)."""
+
+    dataset: str
+    algorithm: str
+    space: list[Dimension]
+    seeds: list[int]
+    trials: int
+    jobs: int
+    extra: list[str]
+    val_fraction: float
+    objective: str
+    sampler_seed: int
+    startup: int
+    out: Path
+    cfg: Any = None
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dir(self) -> Path:
+        return self.out / self.algorithm
+
+    def trial_overrides(self, values: dict[str, Any], seed: int, run_dir: Path) -> list[str]:
+        """Hydra overrides of one trial run (the searched values after the extra overrides)."""
+        return [f"dataset={self.dataset}", f"algorithm={self.algorithm}", f"seed={seed}", "~tuned", "logger=none",
+                *self.extra, f"partition.val_fraction={self.val_fraction}", "eval.split=val",
+                *(f"{k}={_override_value(v)}" for k, v in values.items()), f"hydra.run.dir={run_dir}"]
+
+
+def score(results: dict[str, Any], objective: str) -> float:
+    """A run's tuning score from its results.json: client-mean validation accuracy, the mean of
+    the last three evaluations (``last3``) or the final one (``final``).
+
+    Raises:
+        TuneError: the run was not scored on the validation split.
+    """
+    split = results["summary"].get("eval_split")
+    if split != "val":
+        raise TuneError(f"a trial run was scored on the {split!r} split, not on validation; refusing to use it")
+    if objective == "final":
+        return float(results["summary"]["acc_mean"])
+    accs = [float(e["acc_mean"]) for e in results.get("evaluations", [])][-3:]
+    return sum(accs) / len(accs)
+
+
+def run_trial(plan: Plan, number: int, values: dict[str, Any], command: Sequence[str]) -> tuple[float, float, float]:
+    """Train one trial (one run per tuning seed, in turn).
+
+    Returns:
+        (score: mean over seeds, wall seconds, CPU seconds).
+    Raises:
+        TuneError: a run failed (its log's tail in the message).
+    """
+    scores, wall, cpu = [], 0.0, 0.0
+    for seed in plan.seeds:
+        run_dir = plan.dir / f"trial{number:03d}" / f"seed{seed}"
+        log_path = plan.out / "logs" / f"{plan.algorithm}_trial{number:03d}_seed{seed}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(run_dir, ignore_errors=True)  # a run interrupted earlier starts afresh
+        argv = [*command, *plan.trial_overrides(values, seed, run_dir)]
+        start = time.perf_counter()
+        with log_path.open("w") as log:
+            log.write("$ " + " ".join(shlex.quote(a) for a in argv) + "\n")
+            log.flush()
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            try:
+                _, status, usage = os.wait4(proc.pid, 0)
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                raise
+        wall += time.perf_counter() - start
+        cpu += usage.ru_utime + usage.ru_stime
+        results_path = run_dir / "results.json"
+        if os.waitstatus_to_exitcode(status) != 0 or not results_path.exists():
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+            raise TuneError(f"{plan.algorithm} trial {number} (seed {seed}, {values}) failed; log {log_path}:\n{tail}")
+        scores.append(score(json.loads(results_path.read_text()), plan.objective))
+    return sum(scores) / len(scores), wall, cpu
+
+
+def _echo(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def open_study(plan: Plan):
+    """The algorithm's study in ``<out>/<algorithm>/study.db`` (created, or resumed).
+
+    Raises:
+        TuneError: the folder holds a study made with different settings.
+    """
+    import optuna
+
+    plan.dir.mkdir(parents=True, exist_ok=True)
+    storage = f"sqlite:///{plan.dir / 'study.db'}"
+    study = optuna.create_study(study_name=f"{plan.dataset}_{plan.algorithm}", storage=storage,
+                                direction="maximize", load_if_exists=True)
+    recorded = study.user_attrs.get("settings")
+    if recorded is None:
+        study.set_user_attr("settings", plan.settings)
+    elif recorded != json.loads(json.dumps(plan.settings)):
+        changed = sorted(k for k in set(recorded) | set(plan.settings) if recorded.get(k) != plan.settings.get(k))
+        raise TuneError(f"{plan.dir} holds a tune of {plan.algorithm} made with other settings ({', '.join(changed)}); "
+                        f"use another --out (OUT=...) or delete {plan.dir}")
+    return study
+
+
+def _requeue_interrupted(study, plan: Plan, echo) -> None:
+    """Trials left running by an interrupted tune: marked failed, their values queued again."""
+    from optuna.trial import TrialState
+
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
+        if trial.state == TrialState.WAITING:
+            continue
+        study.tell(trial.number, state=TrialState.FAIL)
+        study.enqueue_trial(dict(trial.params))
+        shutil.rmtree(plan.dir / f"trial{trial.number:03d}", ignore_errors=True)
+        echo(f"  {plan.algorithm}: trial {trial.number} was interrupted; running it again with the same values")
+
+
+def completed(study) -> list:
+    from optuna.trial import TrialState
+
+    return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+
+
+def tune_algorithm(plan: Plan, command: Sequence[str] = TRAIN_COMMAND, echo: Callable[[str], None] = _echo):
+    """Run ``plan.trials`` trials of one algorithm (``plan.jobs`` at a time); returns the study.
+
+    Raises:
+        TuneError: a trial failed (the study keeps the finished ones; rerun to resume).
+    """
+    import optuna
+    from optuna.trial import TrialState
+
+    study = open_study(plan)
+    _requeue_interrupted(study, plan, echo)
+    while (done := len(completed(study))) < plan.trials:
+        batch = min(plan.jobs, plan.trials - done)
+        with warnings.catch_warnings():  # multivariate and constant_liar are flagged experimental
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.sampler = optuna.samplers.TPESampler(
+                seed=derive_seed(plan.sampler_seed, "tune", plan.dataset, plan.algorithm, done) % 2**32,
+                n_startup_trials=plan.startup, multivariate=True, constant_liar=batch > 1)
+        asked = []
+        for _ in range(batch):
+            trial = study.ask()
+            values = {d.key: d.suggest(trial) for d in plan.space}
+            trial.set_user_attr("values", values)
+            asked.append((trial, values))
+
+        def one(item):
+            trial, values = item
+            return run_trial(plan, trial.number, values, command)
+
+        with ThreadPoolExecutor(max_workers=batch) as pool:
+            futures = [pool.submit(one, item) for item in asked]
+            errors = []
+            for (trial, values), future in zip(asked, futures):
+                try:
+                    value, wall, cpu = future.result()
+                except TuneError as err:
+                    study.tell(trial, state=TrialState.FAIL)
+                    errors.append(err)
+                    continue
+                trial.set_user_attr("wall_s", wall)
+                trial.set_user_attr("cpu_s", cpu)
+                study.tell(trial, value)
+                echo(f"  {plan.algorithm} trial {trial.number} ({len(completed(study))}/{plan.trials}): "
+                     f"{_fmt_values(values)} -> validation acc {value:.4f} ({wall:.0f} s wall, {cpu:.0f} s CPU)")
+            if errors:
+                raise errors[0]
+    return study
+
+
+def best_trial(study):
+    """The finished trial with the highest score (the lowest trial number on a tie)."""
+    trials = completed(study)
+    return max(trials, key=lambda t: (t.value, -t.number))
+
+
+def _fmt_values(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in values.items())
+
+
+# -- presets ----------------------------------------------------------------------------------
+
+def nest(values: dict[str, Any]) -> dict[str, Any]:
+    """{"optim.lr": 0.2, "algorithm.mu": 0.1} -> {"optim": {"lr": 0.2}, "algorithm": {"mu": 0.1}}."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def preset_text(plan: Plan, study, command: str) -> str:
+    """The preset file of one tuned algorithm: ``# @package _global_``, the provenance as
+    comments, then the chosen values."""
+    import yaml
+
+    best = best_trial(study)
+    values = best.user_attrs["values"]
+    trials = completed(study)
+    wall = sum(t.user_attrs.get("wall_s", 0.0) for t in trials)
+    header = [
+        "# @package _global_",
+        f"# Tuned preset: dataset={plan.dataset} x algorithm={plan.algorithm}, written by make tune "
+        "(python -m fedfew.tune; docs/tuning.md).",
+        "# In conf/tuned/ it applies to every run of this (dataset, algorithm) pair; command-line overrides win.",
+        f"# tuned for: {describe_setup(plan.cfg)}",
+        f"# extra overrides: {' '.join(plan.extra) or '(none)'}",
+        "# search space: " + "; ".join(d.describe() for d in plan.space),
+        f"# trials: {len(trials)} (the same for every method), Optuna TPE sampler seeded from {plan.sampler_seed}, "
+        f"{plan.startup} random start-up trials, {plan.jobs} at a time",
+        f"# objective: client-mean accuracy on the validation split (partition.val_fraction={plan.val_fraction} of "
+        f"each client's train split, never trained on; eval.split=val: the test split is never read), "
+        + ("mean of the last 3 evaluations" if plan.objective == "last3" else "final round")
+        + f", mean over seeds {' '.join(map(str, plan.seeds))}",
+        f"# best validation score: {best.value:.4f} (trial {best.number}); tuning wall time {wall / 60:.1f} min",
+        f"# made by: {os.environ.get('FEDFEW_TUNE_MADE_BY') or 'python -m fedfew.tune'} on "
+        f"{datetime.date.today().isoformat()}",
+        f"# command: {command}",
+    ]
+    body = yaml.safe_dump(nest(values), sort_keys=False, default_flow_style=False)
+    return "\n".join(header) + "\n" + body
+
+
+def setup_changing(extra: Sequence[str]) -> list[str]:
+    """The extra overrides that change what a preset is tuned for (not threads, logging, paths)."""
+    return [o for o in extra if not o.split("=", 1)[0].lstrip("+~").startswith(SETUP_NEUTRAL)]
+
+
+# -- command line -----------------------------------------------------------------------------
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    argv = list(argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    parser = argparse.ArgumentParser(prog="python -m fedfew.tune", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", default="digits", help="dataset config value (default digits)")
+    parser.add_argument("--algorithms", nargs="+", required=False, default=None,
+                        help="algorithm config values (default: every registered algorithm)")
+    parser.add_argument("--trials", type=int, default=12, help="finished trials per algorithm (default 12)")
+    parser.add_argument("--jobs", type=int, default=1, help="trials at a time (default 1)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="tuning seeds, each trial runs all (default 0)")
+    parser.add_argument("--val-fraction", type=float, default=0.2,
+                        help="partition.val_fraction of the trials (default 0.2; must be in (0, 1))")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="last3",
+                        help="last3: mean validation acc of the last 3 evaluations (default) | final")
+    parser.add_argument("--sampler-seed", type=int, default=0, help="seed of the TPE sampler (default 0)")
+    parser.add_argument("--startup", type=int, default=4,
+                        help="random trials before TPE starts modelling (default 4)")
+    parser.add_argument("--out", default=None, help="output folder (default outputs/tune/<dataset>)")
+    parser.add_argument("--install", choices=("auto", "yes", "no"), default="auto",
+                        help="also write the presets to conf/tuned: auto (when the extra overrides keep the "
+                             "dataset's default setup), yes, no")
+    parser.add_argument("--print-overrides", metavar="PRESET", default=None,
+                        help="print a preset file's values as overrides and exit (apply with ~tuned)")
+    args = parser.parse_args(argv)
+    args.extra = [e for e in extra if e.strip()]
+    if args.algorithms is not None:
+        args.algorithms = [a for item in args.algorithms for a in item.split()]
+    return args
+
+
+def plans(args: argparse.Namespace) -> list[Plan]:
+    """Check everything and compose each algorithm's trial config, before any run.
+
+    Raises:
+        TuneError: bad counts, reserved or zero-validation overrides, an unknown algorithm,
+            a missing/malformed/empty search space, a config that does not validate.
+    """
+    from fedfew.algorithms import ALGORITHMS
+    from fedfew.config import ConfigError, validate_config
+    from fedfew.overrides import check_overrides
+
+    if args.trials < 1 or args.jobs < 1:
+        raise TuneError(f"--trials ({args.trials}) and --jobs ({args.jobs}) must be >= 1")
+    if args.startup < 0:
+        raise TuneError(f"--startup must be >= 0, got {args.startup}")
+    if not 0 < args.val_fraction < 1:
+        raise TuneError(f"--val-fraction={args.val_fraction}: tuning scores each client on its validation split, "
+                        "so it must be in (0, 1), e.g. 0.2 (VAL_FRACTION=0.2 with make tune)")
+    reserved = [o for o in args.extra if o.split("=", 1)[0].lstrip("+~") in RESERVED]
+    if reserved:
+        raise TuneError(f"{reserved}: dataset, algorithm, seed, run folder, validation split and presets are set by "
+                        "the tune (use --dataset/--algorithms/--seeds/--val-fraction)")
+    algorithms = args.algorithms or sorted(ALGORITHMS.names(), key=lambda n: (n != "fedfew", n))
+    unknown = [a for a in algorithms if a not in ALGORITHMS.names()]
+    if unknown:
+        raise TuneError(f"unknown algorithm(s) {unknown}; known: {', '.join(sorted(ALGORITHMS.names()))}")
+    if len(set(algorithms)) != len(algorithms):
+        raise TuneError(f"an algorithm is listed twice: {algorithms}")
+    try:
+        check_overrides(list(args.extra))
+    except ValueError as err:
+        raise TuneError(str(err)) from err
+    out = Path(args.out or f"outputs/tune/{args.dataset}").expanduser().resolve()
+    startup = args.startup
+    fixed = fixed_keys(args.extra)
+    result = []
+    for alg in algorithms:
+        dims = [d for d in load_space(alg) if d.key not in fixed]
+        if not dims:
+            raise TuneError(f"empty search space for {alg}: every key of conf/tune/common.yaml and "
+                            f"conf/tune/{alg}.yaml is fixed by the extra overrides ({sorted(fixed)}); "
+                            "drop those overrides or add keys to the space")
+        plan = Plan(args.dataset, alg, dims, list(args.seeds), args.trials, args.jobs, list(args.extra),
+                    args.val_fraction, args.objective, args.sampler_seed, startup, out)
+        probe = plan.trial_overrides({}, args.seeds[0], out / "probe")[:-1]
+        cfg = compose(probe)
+        try:
+            validate_config(cfg)
+        except ConfigError as err:
+            raise TuneError(f"{alg}: {err}") from err
+        plan.space = [d.resolve(cfg) for d in dims]
+        plan.cfg = cfg
+        # what makes two tunes the same study (--trials may grow and --jobs change on a resume)
+        plan.settings = {"space": [d.describe() for d in plan.space], "seeds": plan.seeds, "extra": plan.extra,
+                         "val_fraction": plan.val_fraction, "objective": plan.objective,
+                         "sampler_seed": plan.sampler_seed, "startup": startup}
+        result.append(plan)
+    return result
+
+
+def main(argv: Sequence[str] | None = None, command: Sequence[str] = TRAIN_COMMAND,
+         echo: Callable[[str], None] = _echo) -> int:
+    """``python -m fedfew.tune``; ``command`` is what runs a trial (``python -m fedfew.train``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.print_overrides:
+        print(" ".join(["~tuned", *preset_overrides(args.print_overrides)]))
+        return 0
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    all_plans = plans(args)
+    out = all_plans[0].out
+    install = args.install == "yes" or (args.install == "auto" and not setup_changing(args.extra))
+    command_line = " ".join(shlex.quote(a) for a in ["python", "-m", "fedfew.tune", *argv])
+    start = time.perf_counter()
+    lines = []
+    for plan in all_plans:
+        echo(f"{plan.algorithm}: {plan.trials} trials on {describe_setup(plan.cfg)}; search "
+             + "; ".join(d.describe() for d in plan.space))
+        study = tune_algorithm(plan, command, echo)
+        best = best_trial(study)
+        text = preset_text(plan, study, command_line)
+        name = f"{plan.dataset}_{plan.algorithm}.yaml"
+        atomic_write_text(out / "presets" / name, text)
+        written = [out / "presets" / name]
+        if install:
+            atomic_write_text(TUNED_DIR / name, text)
+            written.append(TUNED_DIR / name)
+        wall = sum(t.user_attrs.get("wall_s", 0.0) for t in completed(study))
+        lines.append(f"| {plan.algorithm} | {best.value:.4f} | {_fmt_values(best.user_attrs['values'])} | "
+                     f"{len(completed(study))} | {wall / 60:.1f} |")
+        echo(f"{plan.algorithm}: best validation acc {best.value:.4f} with {_fmt_values(best.user_attrs['values'])} "
+             f"(trial {best.number}) -> {', '.join(map(str, written))}")
+    table = ["# tune: " + args.dataset, "", f"command: `{command_line}`", "",
+             "| algorithm | best validation acc | values | trials | trial wall time (min) |", "|---|---|---|---|---|",
+             *lines, "", f"total wall time of this invocation: {(time.perf_counter() - start) / 60:.1f} min"]
+    atomic_write_text(out / "tune.md", "\n".join(table) + "\n")
+    if not install:
+        reason = "--install no" if args.install == "no" else f"the overrides {setup_changing(args.extra)} change the setup"
+        echo(f"presets written to {out / 'presets'} only ({reason}); use them with "
+             f"make compare PRESETS={out / 'presets'} (or python -m fedfew.compare --presets ...)")
+    echo(f"tune done in {(time.perf_counter() - start) / 60:.1f} min; summary {out / 'tune.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except TuneError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -14,7 +14,7 @@ from fedfew.engines.base import ClientJob
 from fedfew.engines.loop import LoopEngine
 from fedfew.engines.vmap import VmapEngine
 from fedfew.local import train_local
-from fedfew.module import KModelSet, flat_parameters
+from fedfew.module import KModelSet, flat_parameters, flat_state
 from fedfew.seeding import derive_seed
 from fedfew.simulation import Simulation
 
@@ -118,7 +118,7 @@ def test_vmap_batchnorm_running_statistics_match_loop():
     K = 2
     data = images([20, 20, 9], shape=(1, 8, 8))
     module = KModelSet(BNNet, K=K, seed=0, lr=0.1)
-    flat = server_flat(module)
+    flat = torch.stack([flat_state(m) for m in module.models])  # deltas are state-vector deltas
     index = {c.id: torch.as_tensor(c.train) for c in data.clients}
     seeds = {c: [derive_seed(0, "local", 1, c, k) for k in range(K)] for c in index}
     # loop reference, capturing the working copy's statistics after each model
@@ -129,7 +129,7 @@ def test_vmap_batchnorm_running_statistics_match_loop():
             losses[c, k] = train_local(module, data, index[c], 2, 6, seed=seeds[c][k])
             stats[c, k] = (module.working.body[2].running_mean.clone(), module.working.body[2].running_var.clone(),
                            int(module.working.body[2].num_batches_tracked))
-            deltas[c, k] = flat_parameters(module.working) - flat[k]
+            deltas[c, k] = flat_state(module.working) - flat[k]
     engine = VmapEngine(module, data, 2, 6, max_clients=8)
     assert engine.exact_groups
     assert engine.plan({0: 20, 1: 20, 2: 9}) == [[0, 1], [2]]
@@ -140,6 +140,7 @@ def test_vmap_batchnorm_running_statistics_match_loop():
             r = c * K + k
             assert got[c][0][k].item() == pytest.approx(losses[c, k], rel=1e-5)
             torch.testing.assert_close(got[c][1][k], deltas[c, k], **TOL)
+            assert got[c][1][k].numel() == sum(p.numel() for p in module.working.parameters()) + 2 * 16 + 1
             torch.testing.assert_close(buffers["body.2.running_mean"][r], stats[c, k][0], **TOL)
             torch.testing.assert_close(buffers["body.2.running_var"][r], stats[c, k][1], **TOL)
             assert int(buffers["body.2.num_batches_tracked"][r]) == stats[c, k][2] == 8  # 2 epochs x 4 batches

@@ -73,6 +73,8 @@ RULES: list[Rule] = [
          lambda c: "embed_init_std" in c.model),
     Rule("model.embed_lr_scale", "number > 0 (SGD speed of the word vectors relative to the other weights)",
          lambda v: _is_number(v) and v > 0, lambda c: "embed_lr_scale" in c.model),
+    Rule("model.norm", "none | batch (mlp, cnn: a BatchNorm after each hidden layer)", lambda v: v in ("none", "batch"),
+         lambda c: "norm" in c.model),
     Rule("algorithm.K", "integer >= 1, or auto (fedfew: start with K_max models, retire redundant ones)",
          lambda v: (_is_int(v) and v >= 1) or v == "auto", lambda c: "K" in c.algorithm),
     Rule("algorithm.K_max", "integer >= 1 and <= num_clients (K=auto: models at the start)",
@@ -105,6 +107,8 @@ RULES: list[Rule] = [
     Rule("algorithm.warmup", "integer >= 0 (cfl)", lambda v: _is_int(v) and v >= 0, lambda c: "warmup" in c.algorithm),
     Rule("algorithm.estimate_every", "integer >= 1 (fedsoft)", lambda v: _is_int(v) and v >= 1,
          lambda c: "estimate_every" in c.algorithm),
+    Rule("algorithm.local_affine", "true | false (fedbn: keep the BatchNorm weight and bias local too)",
+         lambda v: isinstance(v, bool), lambda c: "local_affine" in c.algorithm),
     Rule("partition.alpha", "number > 0 (Dirichlet concentration)", lambda v: _is_number(v) and v > 0,
          lambda c: _scheme(c) == "dirichlet"),
     Rule("partition.min_size", "integer >= 2 (a client needs 1 train + 1 test sample)", lambda v: _is_int(v) and v >= 2,
@@ -205,6 +209,9 @@ def validate_config(cfg: DictConfig) -> None:
     if _lookup(cfg, "algorithm.name") == "oracle" and cfg.partition.name != "clustered":
         problems.append(f"  algorithm=oracle with partition={cfg.partition.name}: the oracle trains one model per "
                         "known client group; use partition=clustered")
+    if _lookup(cfg, "algorithm.name") == "fedbn" and _lookup(cfg, "model.norm") == "none":
+        problems.append(f"  algorithm=fedbn with model.norm=none: FedBN keeps each client's BatchNorm layers local and "
+                        f"model {_lookup(cfg, 'model.name')} has none; use model.norm=batch (or model=resnet18)")
     optimizer, engine = _lookup(cfg, "optim.name"), _lookup(cfg, "engine")
     if engine == "vmap" and optimizer not in (_MISSING, "sgd"):
         problems.append(f"  engine=vmap with optim.name={optimizer!r}: the vmap engine implements SGD only; "
@@ -239,6 +246,7 @@ def rules_markdown() -> str:
     lines.append("| `algorithm.sigma` vs `algorithm.K` | sigma <= 1/K where both exist (fedsoft's importance floor) |")
     lines.append("| `partition.groups` vs `num_clients` | groups <= M; rotate: groups <= 4 and image data |")
     lines.append("| `algorithm=oracle` vs `partition` | the oracle needs partition=clustered |")
+    lines.append("| `algorithm=fedbn` vs `model.norm` | fedbn needs BatchNorm layers: model.norm=batch (mlp, cnn) |")
     lines.append("| `engine` vs `optim.name` | engine=vmap needs optim.name=sgd |")
     lines.append("| `eval.split` vs `partition.val_fraction`, `eval.protocol` | split=val needs val_fraction > 0 and "
                  "protocol final or finetune |")

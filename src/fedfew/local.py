@@ -9,7 +9,39 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedfew.data.base import FederatedData
-from fedfew.module import KModelSet
+from fedfew.module import KModelSet, has_batch_norm
+
+
+def batch_bounds(n: int, batch_size: int, merge_single: bool = False) -> list[tuple[int, int]]:
+    """The batches of one local epoch over ``n`` samples: ``(start, end)`` slices of the epoch's
+    order, ``batch_size`` each, the last one partial (kept, so clients smaller than a batch still
+    train).
+
+    With ``merge_single`` (models with BatchNorm, see :func:`fedfew.module.has_batch_norm`), a
+    final batch of exactly one sample is merged into the previous batch, which then holds
+    ``batch_size + 1`` samples: BatchNorm cannot normalise a batch of one in train mode
+    ("Expected more than 1 value per channel when training"), and merging keeps every sample
+    visited once per epoch. E.g. n = 33, B = 32: one batch of 33 (without BatchNorm: 32 + 1).
+    The same rule is used by ``engine=loop`` (:func:`train_local`), ``engine=vmap`` and the
+    baselines that write their own step loop (APFL, FedRep's head phase).
+
+    Args:
+        n: samples in the epoch (>= 0). batch_size: B >= 1.
+        merge_single: merge a final one-sample batch into the previous one.
+    Returns:
+        consecutive ``(start, end)`` pairs covering ``[0, n)``; empty for n = 0.
+    Raises:
+        ValueError: ``merge_single`` and n = 1 (a client with one train sample cannot train a
+            BatchNorm model).
+    """
+    if merge_single and n == 1:
+        raise ValueError("a client with a single train sample cannot train a model with BatchNorm "
+                         "(a batch of one has no batch statistics); use a partition that gives every client "
+                         ">= 2 train samples, or a model without BatchNorm (model.norm=none)")
+    bounds = [(start, min(start + batch_size, n)) for start in range(0, n, batch_size)]
+    if merge_single and len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], n)]
+    return bounds
 
 
 def train_local(
@@ -27,7 +59,8 @@ def train_local(
 
     One fresh optimizer (``module.configure_optimizers()``) per call; each epoch visits every
     sample once in a random order (the last, partial batch is kept, unlike PFLlib's
-    ``drop_last=True``, so clients smaller than a batch still train; the order is
+    ``drop_last=True``, so clients smaller than a batch still train; with BatchNorm a final
+    batch of one sample is merged into the previous batch, :func:`batch_bounds`; the order is
     :meth:`FederatedData.epoch_order`, length-grouped for text with ``group_by_length``). Shuffling and dropout
     draw from ``seed`` only, so the result does not depend on which rank trains the client.
 
@@ -46,18 +79,21 @@ def train_local(
     Returns:
         the running loss: sample-weighted mean of the minibatch cross-entropies of the last
         epoch (the reference's ``running`` loss source), as a Python float.
+    Raises:
+        ValueError: a model with BatchNorm and a client with one train sample (:func:`batch_bounds`).
     """
     model = module.working
     model.train()
     optimizer = module.configure_optimizers()
     torch.manual_seed(seed)
     n = index.numel()
+    bounds = batch_bounds(n, batch_size, merge_single=has_batch_norm(model))
     running = torch.zeros((), device=index.device)
     for _ in range(epochs):
         order = data.epoch_order(index, batch_size)
         running = torch.zeros((), device=index.device)
-        for start in range(0, n, batch_size):
-            batch = data.batch(order[start : start + batch_size])
+        for start, end in bounds:
+            batch = data.batch(order[start:end])
             with autocast() if autocast is not None else contextlib.nullcontext():
                 loss = module.training_step(batch) if forward is None else F.cross_entropy(forward(batch[0]), batch[1])
             total = loss if penalty is None else loss + penalty(model)

@@ -2,7 +2,14 @@
 
 Only the K server models and one working model live on the device, whatever the number of
 clients M: a client's local training loads server model k into the working copy (an
-in-place copy, no deep copy), trains it, and returns the parameter delta.
+in-place copy, no deep copy), trains it, and returns the delta of its state.
+
+A model's *state vector* (:func:`state_tensors`, :func:`flat_state`, :func:`assign_state_`) is
+what the algorithms average, send and keep per client: the parameters, then the buffers that
+are part of the model's learned state (BatchNorm's running_mean/running_var and its
+``num_batches_tracked`` counter), in a fixed order. :func:`flat_parameters` stays for what is
+about parameters only (proximal terms, distances, gradients, diagnostics). See docs/models.md
+for the BatchNorm policy.
 """
 from __future__ import annotations
 
@@ -64,6 +71,84 @@ def round_lr(optim: Any, rnd: int, rounds: int) -> float:
     return float(optim.lr) * ramp * LR_SCHEDULES[name](int(rnd), int(rounds), optim)
 
 
+def has_batch_norm(model: nn.Module) -> bool:
+    """Whether ``model`` holds a BatchNorm layer (its train-mode output mixes the batch's samples)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+#: the integer buffer BatchNorm counts its train-mode batches in
+COUNTER = "num_batches_tracked"
+
+
+def is_state_buffer(name: str, buffer: torch.Tensor) -> bool:
+    """Whether buffer ``name`` belongs to the state vector: any floating-point buffer (BatchNorm's
+    running statistics) and BatchNorm's integer ``num_batches_tracked`` counter."""
+    return buffer.is_floating_point() or name.rsplit(".", 1)[-1] == COUNTER
+
+
+def named_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of the state vector: ``named_parameters()`` in order, then the
+    :func:`is_state_buffer` buffers in ``named_buffers()`` order (the tensors themselves)."""
+    return [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if is_state_buffer(n, b))]
+
+
+def state_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors of the state vector of ``module`` (see :func:`named_state`)."""
+    return [t for _, t in named_state(module)]
+
+
+def state_numel(module: nn.Module) -> int:
+    """D, the length of ``module``'s state vector (= the parameter count d for a model without
+    BatchNorm; each BatchNorm layer of C channels adds 2C + 1)."""
+    return sum(t.numel() for t in state_tensors(module))
+
+
+def flatten_tensors(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(D,) the tensors concatenated (a new, detached tensor) in ``dtype`` (default: the first
+    floating-point tensor's dtype; integer counters are converted to it exactly below 2^24 in
+    float32)."""
+    if dtype is None:
+        dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
+    if not tensors:
+        return torch.zeros(0, dtype=dtype)
+    return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+
+
+def assign_tensors_(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Write the (D,) vector ``flat`` into ``tensors`` in place (inverse of :func:`flatten_tensors`);
+    integer tensors (counters) get the value rounded to the nearest integer.
+
+    Raises:
+        ValueError: ``flat`` does not have exactly sum of the tensors' numel entries.
+    """
+    total = sum(t.numel() for t in tensors)
+    if flat.numel() != total:
+        raise ValueError(f"flat vector has {flat.numel()} entries, the state has {total}")
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            part = flat[offset : offset + n].view_as(t)
+            t.copy_(part if t.is_floating_point() else part.round())
+            offset += n
+
+
+def flat_state(module: nn.Module) -> torch.Tensor:
+    """(D,) the state vector of ``module``: parameters, then BatchNorm running statistics and
+    counters (:func:`named_state`), in the parameters' dtype; a new, detached tensor."""
+    return flatten_tensors(state_tensors(module))
+
+
+def assign_state_(module: nn.Module, flat: torch.Tensor) -> None:
+    """Write a (D,) state vector into ``module`` in place (inverse of :func:`flat_state`; the
+    counters are rounded to integers).
+
+    Raises:
+        ValueError: wrong length.
+    """
+    assign_tensors_(state_tensors(module), flat)
+
+
 def flat_parameters(module: nn.Module) -> torch.Tensor:
     """(d,) all parameters of ``module`` concatenated (a new tensor, detached)."""
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
@@ -83,7 +168,8 @@ def assign_flat_(module: nn.Module, flat: torch.Tensor) -> None:
 
 def unflatten_like(flat: torch.Tensor, module: nn.Module) -> list[torch.Tensor]:
     """Views of a (d,) vector shaped like ``module``'s parameters (in ``parameters()`` order),
-    detached and cast to each parameter's dtype: e.g. the reference of a proximal term."""
+    detached and cast to each parameter's dtype: e.g. the reference of a proximal term. A longer
+    state vector (:func:`flat_state`) works too: its first d entries are the parameters."""
     out, offset = [], 0
     for p in module.parameters():
         out.append(flat[offset : offset + p.numel()].view_as(p).detach().to(p.dtype))

@@ -3,7 +3,9 @@
 - :class:`WeightedSum`: per server model k, the running sums sum_i c_i * delta_i and sum_i c_i
   over the clients that trained model k (c_i = n_i), combined across ranks by one all-reduce;
   the server then moves model k to the weighted mean of those clients' models, and a model
-  that no client trained keeps its weights exactly.
+  that no client trained keeps its weights exactly. The deltas are state-vector deltas
+  (:func:`fedfew.module.flat_state`): BatchNorm running statistics are averaged with the same
+  weights as the parameters, the counters too (rounded back to integers).
 - :func:`proximal_term`: (coeff / 2) * ||theta - theta_ref||^2, gradient coeff * (theta - theta_ref)
   (FedProx's mu_prox, Ditto's lambda).
 - :class:`Averaging`: the "clients train from the broadcast model, the server averages" round
@@ -24,7 +26,7 @@ from fedfew.algorithms.base import Algorithm
 from fedfew.data.base import ClientSplit
 from fedfew.distributed import all_reduce_
 from fedfew.local import train_local
-from fedfew.module import assign_flat_, flat_parameters
+from fedfew.module import assign_state_, assign_tensors_, flatten_tensors, state_tensors
 from fedfew.seeding import derive_seed
 
 
@@ -33,7 +35,7 @@ class WeightedSum:
 
     Args:
         K: number of slots (server models).
-        dim: length d of each delta.
+        dim: length D of each delta (a state vector's, :func:`fedfew.module.flat_state`).
         device: where the sums live (the training device, so all-reduce works under NCCL).
     """
 
@@ -42,7 +44,7 @@ class WeightedSum:
         self.total = torch.zeros(K, dtype=torch.float64, device=device)
 
     def add(self, k: int, weight: float, delta: torch.Tensor) -> None:
-        """Add ``weight * delta`` ((d,)) to slot k and ``weight`` to its total."""
+        """Add ``weight * delta`` ((D,)) to slot k and ``weight`` to its total."""
         self.acc[k].add_(delta.to(self.acc.dtype), alpha=float(weight))
         self.total[k] += float(weight)
 
@@ -52,17 +54,24 @@ class WeightedSum:
         all_reduce_(self.total, "sum")
         return self
 
-    def apply_(self, targets: list[nn.Module], base: list[torch.Tensor]) -> torch.Tensor:
+    def apply_(self, targets: list[nn.Module | list[torch.Tensor]], base: list[torch.Tensor]) -> torch.Tensor:
         """Set ``targets[k]`` to ``base[k] + acc_k / total_k`` (the weighted mean of the clients'
         models) for every slot with a positive total; other slots are left untouched.
 
+        Args:
+            targets: per slot, a module (its whole state vector, :func:`fedfew.module.assign_state_`)
+                or the list of tensors that were flattened into the deltas.
+            base: per slot, the (D,) vector the deltas were taken against.
         Returns:
             (K,) float64 totals on the host (0 where no client contributed).
         """
         for k, target in enumerate(targets):
             if float(self.total[k]) > 0:
                 mean_delta = (self.acc[k] / self.total[k]).to(base[k].dtype)
-                assign_flat_(target, base[k] + mean_delta)
+                if isinstance(target, nn.Module):
+                    assign_state_(target, base[k] + mean_delta)
+                else:
+                    assign_tensors_(target, base[k] + mean_delta)
         return self.total.cpu()
 
 
@@ -91,7 +100,9 @@ class Averaging(Algorithm):
     n_i-weighted mean of the models of the clients that trained it (McMahan et al. 2017).
 
     Subclasses call :meth:`local_train` and :meth:`contribute` from ``client_update`` and
-    return ``{"loss": (K,) row}``; :meth:`shared` picks what is averaged (FedRep: the body).
+    return ``{"loss": (K,) row}``; :meth:`shared` picks the part of the model that is averaged
+    (FedRep: the body) and :meth:`averaged` its tensors (default: the part's whole state vector,
+    BatchNorm statistics included; FedBN leaves its BatchNorm layers out).
     """
 
     row_shapes = {"loss": lambda K: (K,)}
@@ -104,10 +115,16 @@ class Averaging(Algorithm):
         """The part of a model that the server averages (default: all of it)."""
         return model
 
+    def averaged(self, model: nn.Module) -> list[torch.Tensor]:
+        """The tensors of ``model`` that clients send and the server averages, in a fixed order:
+        the state vector of :meth:`shared` (:func:`fedfew.module.state_tensors`: parameters, then
+        BatchNorm running statistics and counters)."""
+        return state_tensors(self.shared(model))
+
     def begin_round(self, rnd: int, participants: list[int]) -> None:
         module = self.ctx.module
-        # flat (shared part of) server parameters, once per round rather than once per client
-        self._server = [flat_parameters(self.shared(m)) for m in module.models]
+        # flat averaged state of the server models, once per round rather than once per client
+        self._server = [flatten_tensors(self.averaged(m)) for m in module.models]
         self._sum = WeightedSum(module.K, self._server[0].numel(), device=self.ctx.fabric.device)
 
     def local_train(
@@ -136,11 +153,11 @@ class Averaging(Algorithm):
         )
 
     def contribute(self, k: int, client: ClientSplit) -> bool:
-        """Add the working copy (its shared part) as the client's model for server model k,
-        weighted by n_i. A non-finite model is left out with a warning (or raises
+        """Add the working copy (its :meth:`averaged` tensors) as the client's model for server
+        model k, weighted by n_i. A non-finite model is left out with a warning (or raises
         FloatingPointError with ``fail_on_nonfinite``), as FedFew does; returns whether it
         was added."""
-        delta = flat_parameters(self.shared(self.ctx.module.working)) - self._server[k]
+        delta = flatten_tensors(self.averaged(self.ctx.module.working)) - self._server[k]
         if not bool(torch.isfinite(delta).all()):
             message = f"client {client.id}: non-finite local model; it is excluded from this round's aggregation"
             if self.ctx.cfg.get("fail_on_nonfinite", False):
@@ -152,16 +169,17 @@ class Averaging(Algorithm):
 
     def end_round(self, rnd: int, participants: list[int], rows: dict[str, torch.Tensor]) -> dict[str, Any]:
         self._sum.all_reduce_()
-        totals = self._sum.apply_([self.shared(m) for m in self.ctx.module.models], self._server)
+        totals = self._sum.apply_([self.averaged(m) for m in self.ctx.module.models], self._server)
         self._sum, self._server = None, []
         return {"loss": rows["loss"], "weight_per_model": totals}
 
     def load_personal(self, client: ClientSplit, name: str = "model", k: int = 0) -> bool:
-        """Load the client's saved flat parameters ``name`` into the working copy, or server
-        model k when it has none yet; returns whether a saved copy existed."""
-        self.ctx.module.load_working(k)  # buffers (if any) and the fallback parameters
+        """Load the client's saved state vector ``name`` (:func:`fedfew.module.flat_state`:
+        parameters and its own BatchNorm statistics) into the working copy, or server model k
+        when it has none yet; returns whether a saved copy existed."""
+        self.ctx.module.load_working(k)  # other buffers (if any) and the fallback state
         saved = self.load_client(client.id, name)
         if saved is None:
             return False
-        assign_flat_(self.ctx.module.working, saved)
+        assign_state_(self.ctx.module.working, saved)
         return True

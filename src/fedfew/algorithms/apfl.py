@@ -19,6 +19,13 @@ part). v_i starts as the broadcast w the first time client i takes part.
 Two extra model copies (v and v_bar) are kept on the device for the client being trained,
 whatever the number of clients; every client's v_i and alpha_i live on the host.
 
+BatchNorm: the mixture mixes parameters only. Running statistics are not parameters and v_i is
+never run on its own (only through v_bar_i), so the personal statistics are v_bar_i's: they
+start as the broadcast w's the first time, are updated by v_bar_i's train-mode forwards, and are
+kept on the host with v_i (in the buffers of v_i's saved state vector); the scored mixture uses
+them. The global w's statistics are averaged with the parameters (FedAvg part). A final batch of
+one sample is merged into the previous one (:func:`fedfew.local.batch_bounds`).
+
 Config (``conf/algorithm/apfl.yaml``): ``alpha`` (the fixed mixing weight, or its initial value
 when adaptive; the paper reports 0.25, 0.5, 0.75 and adaptive), ``adaptive`` (learn alpha_i by
 the gradient step above), ``alpha_lr`` (step size of alpha; null = ``optim.lr``, the paper's
@@ -35,15 +42,24 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row
 from fedfew.data.base import ClientSplit
-from fedfew.module import assign_flat_, flat_parameters
+from fedfew.local import batch_bounds
+from fedfew.module import assign_state_, flat_state, has_batch_norm
 from fedfew.seeding import derive_seed
 
 
 def mix_(target: nn.Module, personal: nn.Module, shared: nn.Module, alpha: float) -> None:
-    """target <- alpha * personal + (1 - alpha) * shared, parameter by parameter, in place."""
+    """target <- alpha * personal + (1 - alpha) * shared, parameter by parameter, in place
+    (buffers are left alone)."""
     with torch.no_grad():
         for t, v, w in zip(target.parameters(), personal.parameters(), shared.parameters()):
             torch.add(v * alpha, w, alpha=1.0 - alpha, out=t)
+
+
+def copy_buffers_(dst: nn.Module, src: nn.Module) -> None:
+    """Copy ``src``'s buffers (BatchNorm statistics) into ``dst`` in place (same architecture)."""
+    with torch.no_grad():
+        for a, b in zip(dst.buffers(), src.buffers()):
+            a.copy_(b)
 
 
 @ALGORITHMS.register("apfl")
@@ -72,12 +88,10 @@ class APFL(Averaging):
         return self.alpha0 if saved is None else float(saved)
 
     def _load_personal(self, client: ClientSplit) -> None:
-        """v_i into the personal scratch model (the server model when it has none)."""
+        """v_i (with the personal BatchNorm statistics in its buffers) into the personal scratch
+        model (the server model's state when it has none)."""
         saved = self.load_client(client.id, "personal")
-        if saved is None:
-            assign_flat_(self._personal, flat_parameters(self.ctx.module.models[0]))
-        else:
-            assign_flat_(self._personal, saved)
+        assign_state_(self._personal, flat_state(self.ctx.module.models[0]) if saved is None else saved)
 
     def _forward_loss(self, model: nn.Module, batch) -> torch.Tensor:
         x, y = batch
@@ -91,6 +105,7 @@ class APFL(Averaging):
         module.load_working(0)  # w
         self._load_personal(client)  # v
         w, v, v_bar = module.working, self._personal, self._mix
+        copy_buffers_(v_bar, v)  # the personal statistics (v_bar's, kept in v's buffers)
         for m in (w, v, v_bar):
             m.train()
         opt_w = module.configure_optimizers()
@@ -99,12 +114,13 @@ class APFL(Averaging):
         index, batch_size = ctx.train_index[client.id], int(run.dataset.batch_size)
         torch.manual_seed(derive_seed(run.seed, "local", rnd, client.id, 0))
         n = index.numel()
+        bounds = batch_bounds(n, batch_size, merge_single=has_batch_norm(w))
         running = torch.zeros((), device=index.device)
         for _ in range(int(run.local_epochs)):
             order = index[torch.randperm(n, device=index.device)]
             running = torch.zeros((), device=index.device)
-            for start in range(0, n, batch_size):
-                batch = ctx.data.batch(order[start : start + batch_size])
+            for start, end in bounds:
+                batch = ctx.data.batch(order[start:end])
                 # gradient of f at v_bar = alpha v + (1 - alpha) w, all at the pre-step state
                 mix_(v_bar, v, w, alpha)
                 loss_bar = self._forward_loss(v_bar, batch)
@@ -123,7 +139,8 @@ class APFL(Averaging):
                     alpha = min(1.0, max(0.0, alpha - self.alpha_lr * grad_alpha))
                 running += loss_bar.detach().float() * batch[1].numel()
         self.contribute(0, client)
-        self.save_client(client.id, personal=flat_parameters(v), alpha=torch.tensor(alpha, dtype=torch.float64))
+        copy_buffers_(v, v_bar)
+        self.save_client(client.id, personal=flat_state(v), alpha=torch.tensor(alpha, dtype=torch.float64))
         return {"loss": loss_row(float(running) / max(n, 1)), "alpha": loss_row(alpha)}
 
     def end_round(self, rnd, participants, rows):
@@ -137,6 +154,7 @@ class APFL(Averaging):
         module.load_working(0)
         saved = self.load_client(client.id, "personal")
         if saved is not None:
-            assign_flat_(self._personal, saved)
+            assign_state_(self._personal, saved)
             mix_(module.working, self._personal, module.models[0], self.client_alpha(client.id))
+            copy_buffers_(module.working, self._personal)  # its own BatchNorm statistics
         return [module.working]

@@ -21,7 +21,13 @@ The hooks a method fills in, and nothing else:
 - per-client state that persists between rounds (personal heads, personal models) goes
   through :meth:`Algorithm.save_client` / :meth:`Algorithm.load_client`, which keep it on
   the host (``ctx.host_state``), never on the device;
-- ``communication(cfg, model)``: parameters sent per participating client per round.
+- ``communication(cfg, model)``: numbers sent per participating client per round (the state
+  vector entries that travel: parameters and, where they are aggregated, BatchNorm statistics).
+
+BatchNorm (docs/models.md): what is averaged, sent and kept per client is a model's *state
+vector* (:func:`fedfew.module.flat_state`: parameters, then BatchNorm running statistics and
+counters), so the server's statistics are the clients' statistics combined with the same weights
+as the parameters, and personal models keep their own statistics.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from fedfew.data.base import ClientSplit, FederatedData
-from fedfew.module import KModelSet
+from fedfew.module import KModelSet, state_numel
 
 
 @dataclass
@@ -118,16 +124,19 @@ class Algorithm:
 
     @classmethod
     def communication(cls, cfg: DictConfig, model: nn.Module) -> tuple[int, int]:
-        """Parameters (up, down) one participating client sends and receives per round.
+        """Numbers (up, down) one participating client sends and receives per round: entries of
+        the state vectors that travel (:func:`fedfew.module.state_numel`: parameters, plus the
+        BatchNorm running statistics and counters where they are aggregated).
 
-        Default: all ``num_models(cfg)`` server models both ways (FedFew: K x d up and down).
+        Default: all ``num_models(cfg)`` server models both ways (FedFew: K x D up and down, with
+        D = d for a model without BatchNorm).
 
         Args:
             cfg: the ``algorithm`` config node.
-            model: one freshly built model of the run's architecture (for d and body/head sizes).
+            model: one freshly built model of the run's architecture (for D and body/head sizes).
         """
-        d = sum(p.numel() for p in model.parameters())
-        return cls.num_models(cfg) * d, cls.num_models(cfg) * d
+        D = state_numel(model)
+        return cls.num_models(cfg) * D, cls.num_models(cfg) * D
 
     # -- per-client state on the host -------------------------------------------------------
 

@@ -29,6 +29,11 @@ slot; when all ``max_clusters`` slots are in use, no more splits happen (logged 
 only a cluster's participants are split; its other members stay with the first half (the half
 holding the lowest participant id).
 
+BatchNorm: a client's update is its state-vector update (:func:`fedfew.module.flat_state`); the
+norms and cosine similarities are taken on the parameter part only (the paper's criterion is on
+weight updates; the eps thresholds keep their meaning), and the cluster step moves the running
+statistics with the same weights as the parameters.
+
 Not simulated: the paper's gamma_max check on the cross-cluster similarity after a split (the
 reference code omits it too), and its weighting by 1/|c| (we weight by n_i, as every averaging
 baseline here; the two agree for equal client sizes).
@@ -52,7 +57,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row
 from fedfew.algorithms._updates import check_number, finite_or_excluded, vector_row, vector_rows
 from fedfew.data.base import ClientSplit
-from fedfew.module import assign_flat_, flat_parameters
+from fedfew.module import assign_state_, flat_state, state_numel
 
 
 def cosine_similarity(updates: torch.Tensor) -> torch.Tensor:
@@ -111,8 +116,9 @@ class CFL(Averaging):
         self.warmup = check_number(cfg, "warmup", 0, integer=True)
         #: (M,) int64 model slot of each client's cluster (host)
         self.membership = torch.zeros(len(ctx.num_train), dtype=torch.int64)
-        d = flat_parameters(ctx.module.models[0]).numel()
-        self.row_shapes = {"loss": lambda K: (1,), **vector_rows(d)}
+        #: d, the parameter part of each (D,) state-vector update (norms and similarities)
+        self.num_params = sum(p.numel() for p in ctx.module.models[0].parameters())
+        self.row_shapes = {"loss": lambda K: (1,), **vector_rows(state_numel(ctx.module.models[0]))}
 
     @staticmethod
     def num_models(cfg: DictConfig) -> int:
@@ -120,21 +126,22 @@ class CFL(Averaging):
 
     @classmethod
     def communication(cls, cfg: DictConfig, model: nn.Module) -> tuple[int, int]:
-        d = sum(p.numel() for p in model.parameters())
-        return d, d  # the client's cluster model down, its update up
+        D = state_numel(model)
+        return D, D  # the client's cluster model down, its update up
 
     def client_update(self, client: ClientSplit, rnd: int) -> dict[str, torch.Tensor]:
         k = int(self.membership[client.id])
         loss = self.local_train(client, rnd, k)
-        update = flat_parameters(self.ctx.module.working) - self._server[k]
+        update = flat_state(self.ctx.module.working) - self._server[k]
         valid = finite_or_excluded(self.ctx, client.id, update)
         return {"loss": loss_row(loss), **vector_row(update, valid)}
 
     def end_round(self, rnd: int, participants: list[int], rows: dict[str, torch.Tensor]) -> dict[str, Any]:
         K = self.ctx.module.K
         updates, valid = rows["vector"], (rows["valid"][:, 0] > 0).cpu()
+        weights = updates[:, : self.num_params]  # parameter part: norms and similarities
         sizes = self.ctx.num_train[participants].double().to(updates.device)
-        norms = updates.norm(dim=1).cpu()
+        norms = weights.norm(dim=1).cpu()
         old = self.membership[participants].clone()  # slot each participant trained from
         mean_norm = torch.zeros(K, dtype=torch.float64)
         max_norm = torch.zeros(K, dtype=torch.float64)
@@ -143,7 +150,7 @@ class CFL(Averaging):
             members = [j for j in range(len(participants)) if int(old[j]) == c and bool(valid[j])]
             if not members:
                 continue
-            mean_norm[c] = float(cluster_step(updates[members], sizes[members]).norm())
+            mean_norm[c] = float(cluster_step(weights[members], sizes[members]).norm())
             max_norm[c] = float(norms[members].max())
             if rnd <= self.warmup or not should_split(float(mean_norm[c]), float(max_norm[c]), len(members),
                                                       self.eps_1, self.eps_2):
@@ -152,7 +159,7 @@ class CFL(Averaging):
             if not free:
                 blocked += 1
                 continue
-            _, second = bipartition(cosine_similarity(updates[members]))
+            _, second = bipartition(cosine_similarity(weights[members]))
             for pos in second:
                 self.membership[participants[members[pos]]] = free[0]
             splits += 1
@@ -165,7 +172,7 @@ class CFL(Averaging):
                 continue
             base = self._server[int(old[members[0]])]  # both halves of a split start from the parent
             step = cluster_step(updates[members], sizes[members]).to(base.dtype)
-            assign_flat_(self.ctx.module.models[s], base + step)
+            assign_state_(self.ctx.module.models[s], base + step)
             moved[s] = 1.0
         self._server, self._sum = [], None
         return {"loss": rows["loss"], "assignment": new.clone(), "effective_step": moved,

@@ -24,7 +24,7 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row, proximal_term
 from fedfew.data.base import ClientSplit
-from fedfew.module import flat_parameters
+from fedfew.module import flat_state
 
 
 @ALGORITHMS.register("ditto")
@@ -57,7 +57,7 @@ class Ditto(Averaging):
         self.load_personal(client, "personal")
         personal_loss = self.local_train(client, rnd, None, epochs=self.personal_epochs,
                                          penalty=self._penalty, stream="personal")
-        self.save_client(client.id, personal=flat_parameters(self.ctx.module.working))
+        self.save_client(client.id, personal=flat_state(self.ctx.module.working))  # with its own BN statistics
         return {"loss": loss_row(loss), "personal_loss": loss_row(personal_loss)}
 
     def end_round(self, rnd, participants, rows):

@@ -38,6 +38,11 @@ cloud model a client uses the initial global model (all personal models start eq
 u_i^1 = w^0). Clients are scored with their personal model (the initial model if they never
 took part).
 
+BatchNorm: a personal model is a state vector (:func:`fedfew.module.flat_state`) and keeps its own
+running statistics, which never leave the client: the server's distances and cloud models are
+on the parameters only (the rows and u_i are parameter vectors), and the proximal term acts on
+the parameters.
+
 Memory: each client's w_i and u_i live on the host of the process that owns it (2 x d per
 client); the server's P x d rows are transient.
 
@@ -62,7 +67,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row, proximal_term
 from fedfew.algorithms._updates import check_number, finite_or_excluded, vector_row, vector_rows
 from fedfew.data.base import ClientSplit
-from fedfew.module import flat_parameters, unflatten_like
+from fedfew.module import flat_parameters, flat_state, unflatten_like
 
 
 def squared_distances(models: torch.Tensor) -> torch.Tensor:
@@ -116,6 +121,11 @@ class FedAMP(Averaging):
         self.row_shapes = {"loss": lambda K: (1,), **vector_rows(d)}
         self._mine: list[int] = []
 
+    @classmethod
+    def communication(cls, cfg: DictConfig, model: nn.Module) -> tuple[int, int]:
+        d = sum(p.numel() for p in model.parameters())
+        return d, d  # w_i's parameters up, u_i down (BatchNorm statistics stay on the client)
+
     def begin_round(self, rnd: int, participants: list[int]) -> None:
         self._mine = []
 
@@ -130,12 +140,12 @@ class FedAMP(Averaging):
         cloud = self.cloud_model(client.id)
         penalty = proximal_term(unflatten_like(cloud, working), self.lam / self.alphaK) if self.lam > 0 else None
         loss = self.local_train(client, rnd, None, penalty=penalty, stream=0)
-        w = flat_parameters(working)
-        valid = finite_or_excluded(self.ctx, client.id, w)
+        personal = flat_state(working)  # parameters and the client's own BatchNorm statistics
+        valid = finite_or_excluded(self.ctx, client.id, personal)
         if valid:
-            self.save_client(client.id, personal=w)
+            self.save_client(client.id, personal=personal)
             self._mine.append(client.id)
-        return {"loss": loss_row(loss), **vector_row(w, valid)}
+        return {"loss": loss_row(loss), **vector_row(flat_parameters(working), valid)}
 
     def end_round(self, rnd: int, participants: list[int], rows: dict[str, torch.Tensor]) -> dict[str, Any]:
         models, valid = rows["vector"], rows["valid"][:, 0] > 0

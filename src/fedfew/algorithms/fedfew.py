@@ -63,7 +63,7 @@ from fedfew.data.base import ClientSplit
 from fedfew.engines import ENGINES
 from fedfew.engines.base import ClientJob
 from fedfew.local import evaluate_model
-from fedfew.module import assign_flat_, flat_parameters
+from fedfew.module import assign_state_, flat_parameters, flat_state, state_numel
 from fedfew.mu_schedule import round_mu
 from fedfew.scalarization import MU_SCALES, SAMPLE_WEIGHTINGS, client_log_weights, stch_set
 from fedfew.seeding import derive_seed
@@ -129,7 +129,7 @@ class FedFew(Algorithm):
     def begin_round(self, rnd: int, participants: list[int]) -> None:
         ctx, module = self.ctx, self.ctx.module
         self.mu = round_mu(self.cfg, rnd, int(ctx.cfg.rounds), self._best_loss, ctx.data.num_classes)
-        dim = sum(p.numel() for p in module.working.parameters())
+        dim = state_numel(module.working)  # state vector: parameters + BatchNorm statistics
         self._accumulator = LogWeightedSum(module.K, dim, device=ctx.fabric.device)
         self._participant_total = float(ctx.num_train[participants].sum())
         self._participant_count = len(participants)
@@ -222,12 +222,12 @@ class FedFew(Algorithm):
         eta = float(self.cfg.server_lr)
         for k, model in enumerate(self.ctx.module.models):
             # the server parameters do not change during a round: no (K, d) copy is kept
-            new = flat_parameters(model) + eta * update[k]
+            new = flat_state(model) + eta * update[k]
             if not bool(torch.isfinite(new).all()):  # never let NaN/inf reach a server model
                 warnings.warn(f"round {rnd}: the update of model {k} is not finite; model {k} keeps its parameters")
                 step[k] = 0.0
                 continue
-            assign_flat_(model, new)
+            assign_state_(model, new)
         self._accumulator = None
         diagnostics = set_diagnostics(losses[valid], w[valid], [flat_parameters(m) for m in self.ctx.module.models])
         self._best_loss = float(weights.losses.min(dim=1).values.mean())  # Lbar of mu_schedule=loss

@@ -19,6 +19,11 @@ quadratic programme over the simplex intersected with a box, solved by :func:`mi
 (accelerated projected gradient with an exact projection, :func:`project_simplex_box`).
 Every client is scored with the global model.
 
+BatchNorm: the min-norm problem and the step above are on the parameters; running statistics
+are not gradients, so the server sets them to the lambda*-weighted mean of the participants'
+statistics (the same client weights, without the normalisation and eta; the counters too,
+rounded). Each row is the client's state-vector update (:func:`fedfew.module.flat_state`).
+
 Rows: every participant's update (length d) is gathered, so the server can form the P x P Gram
 matrix (see :mod:`fedfew.algorithms._updates` for the cost). Logged: ``alpha`` (the weights
 lambda*, in the slot FedFew uses for its client weights; 0 for a client left out), the step
@@ -43,7 +48,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row
 from fedfew.algorithms._updates import check_number, finite_or_excluded, vector_row, vector_rows
 from fedfew.data.base import ClientSplit
-from fedfew.module import assign_flat_, flat_parameters
+from fedfew.module import assign_state_, flat_state, state_numel
 
 PRIORS = ("uniform", "samples")
 
@@ -139,17 +144,20 @@ class FedMGDA(Averaging):
         self.prior = str(cfg.get("prior", "uniform"))
         if self.prior not in PRIORS:
             raise ValueError(f"algorithm.prior={self.prior!r}; allowed: {', '.join(PRIORS)}")
-        d = flat_parameters(ctx.module.models[0]).numel()
-        self.row_shapes = {"loss": lambda K: (1,), **vector_rows(d)}
+        #: d, the parameter part of each (D,) state-vector update (the min-norm problem's)
+        self.num_params = sum(p.numel() for p in ctx.module.models[0].parameters())
+        self.row_shapes = {"loss": lambda K: (1,), **vector_rows(state_numel(ctx.module.models[0]))}
 
     def client_update(self, client: ClientSplit, rnd: int) -> dict[str, torch.Tensor]:
         loss = self.local_train(client, rnd, 0)
-        update = flat_parameters(self.ctx.module.working) - self._server[0]  # w_i - w = -g_i
+        update = flat_state(self.ctx.module.working) - self._server[0]  # w_i - w = -g_i (then statistics)
         valid = finite_or_excluded(self.ctx, client.id, update)
         return {"loss": loss_row(loss), **vector_row(update, valid)}
 
     def end_round(self, rnd: int, participants: list[int], rows: dict[str, torch.Tensor]) -> dict[str, Any]:
-        updates, valid = rows["vector"], rows["valid"][:, 0] > 0
+        rows_all, valid = rows["vector"], rows["valid"][:, 0] > 0
+        d = self.num_params
+        updates, statistics = rows_all[:, :d], rows_all[:, d:]  # parameter updates; BN statistics' changes
         weights = torch.zeros(len(participants), dtype=torch.float64)
         norms = updates.norm(dim=1)
         logs: dict[str, Any] = {"loss": rows["loss"]}
@@ -168,8 +176,9 @@ class FedMGDA(Averaging):
             lam = min_norm_weights((U @ U.T).cpu().numpy(), lo, hi)
             lam_t = torch.as_tensor(lam, dtype=U.dtype, device=U.device)
             direction = lam_t @ U  # sum_i lambda_i (w_i - w) / ||w_i - w|| = -sum_i lambda_i g_i
-            server = self.ctx.module.models[0]
-            assign_flat_(server, self._server[0] + (self.server_lr * direction).to(self._server[0].dtype))
+            moved = lam_t @ statistics[keep]  # lambda*-weighted mean change of the statistics
+            step_all = torch.cat([self.server_lr * direction, moved]).to(self._server[0].dtype)
+            assign_state_(self.ctx.module.models[0], self._server[0] + step_all)
             weights[keep] = torch.as_tensor(lam, dtype=torch.float64)
             step = self.server_lr * direction.norm().cpu()
         self._server, self._sum = [], None

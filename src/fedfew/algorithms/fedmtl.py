@@ -31,6 +31,10 @@ lam = 0 is local training; a large lam pulls every personal model to the common 
 are scored with their personal model (a client that never took part with w_bar). Personal
 models live on the host (``personal``).
 
+BatchNorm: w_i and w_bar are state vectors (:func:`fedfew.module.flat_state`): a personal model
+keeps its own running statistics, w_bar's are the mean of every client's latest statistics (the
+same 1/M weights), and the regulariser acts on the parameters only.
+
 Config (``conf/algorithm/fedmtl.yaml``): ``lam`` (>= 0).
 """
 from __future__ import annotations
@@ -45,7 +49,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, WeightedSum, loss_row, proximal_term
 from fedfew.algorithms._updates import check_number, finite_or_excluded
 from fedfew.data.base import ClientSplit
-from fedfew.module import assign_flat_, flat_parameters, unflatten_like
+from fedfew.module import assign_state_, flat_state, unflatten_like
 
 
 def centering_omega(M: int) -> torch.Tensor:
@@ -79,7 +83,7 @@ class FedMTL(Averaging):
         self.lam = check_number(cfg, "lam", 0.0)
         self.M = len(ctx.num_train)
         # w^0 (the column of a client that never took part) and the float64 mean of all columns
-        self._initial = flat_parameters(ctx.module.models[0]).double()
+        self._initial = flat_state(ctx.module.models[0]).double()
         self._mean = self._initial.clone()
 
     def begin_round(self, rnd: int, participants: list[int]) -> None:
@@ -96,13 +100,13 @@ class FedMTL(Averaging):
         working = module.working
         module.load_working(0)  # buffers
         w_old = self.personal(client.id)
-        assign_flat_(working, w_old)  # copy_ casts to the parameters' dtype
+        assign_state_(working, w_old)  # copy_ casts to the parameters' dtype
         penalty = None
         if self.lam > 0 and M > 1:
-            others = (self._mean.to(w_old.device) * M - w_old) / (M - 1)  # m_{-i}
+            others = (self._mean.to(w_old.device) * M - w_old) / (M - 1)  # m_{-i} (parameters first)
             penalty = proximal_term(unflatten_like(others, working), self.lam * (1.0 - 1.0 / M))
         loss = self.local_train(client, rnd, None, penalty=penalty, stream=0)
-        w_new = flat_parameters(working)
+        w_new = flat_state(working)
         if finite_or_excluded(self.ctx, client.id, w_new):
             self.save_client(client.id, personal=w_new)
             self._sum.add(0, 1.0, w_new.double() - w_old)
@@ -112,7 +116,7 @@ class FedMTL(Averaging):
         self._sum.all_reduce_()
         self._mean = self._mean.to(self._sum.acc.device) + self._sum.acc[0] / self.M
         server = self.ctx.module.models[0]
-        assign_flat_(server, self._mean.to(flat_parameters(server).dtype))
+        assign_state_(server, self._mean.to(next(server.parameters()).dtype))
         moved = float(self._sum.total[0])
         self._sum = None
         return {"loss": rows["loss"], "clients_moved": moved}
@@ -122,7 +126,7 @@ class FedMTL(Averaging):
         module.load_working(0)
         saved = self.load_client(client.id, "personal")
         if saved is not None:
-            assign_flat_(module.working, saved)
+            assign_state_(module.working, saved)
         return [module.working]
 
     def state_dict(self) -> dict[str, Any]:

@@ -8,7 +8,8 @@ the head for ``head_epochs`` epochs with the body frozen, then the body for ``lo
 epochs with its new head frozen, keeps the head on the host and sends the body. (When the
 body has no dropout or batch norm, the frozen body's features are computed once per head
 phase and the head epochs run on them: the same steps, at a fraction of the cost.) The server
-sets the body to the sample-weighted mean of the clients' bodies; the server's head is never
+sets the body to the sample-weighted mean of the clients' bodies (their whole state: a body's
+BatchNorm running statistics are averaged with the same weights); the server's head is never
 averaged (it only seeds new clients' heads). A client is scored with the global body and its
 own head.
 
@@ -28,7 +29,8 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row
 from fedfew.data.base import ClientSplit
-from fedfew.module import assign_flat_, flat_parameters
+from fedfew.local import batch_bounds
+from fedfew.module import assign_state_, flat_state, has_batch_norm, state_numel
 from fedfew.seeding import derive_seed
 
 
@@ -80,7 +82,8 @@ class FedRep(Averaging):
     def _train_head_on_features(self, client: ClientSplit, seed: int) -> float:
         """The head phase with the body's features computed once: the same SGD steps, sample
         order (seed) and result as ``train_local`` with the body frozen, without running the
-        body head_epochs times. Only for a :func:`deterministic` body."""
+        body head_epochs times. Only for a :func:`deterministic` body (so no BatchNorm there;
+        the batches follow :func:`fedfew.local.batch_bounds` like every local loop)."""
         ctx, module = self.ctx, self.ctx.module
         working, index = module.working, ctx.train_index[client.id]
         batch_size = int(ctx.cfg.dataset.batch_size)
@@ -91,12 +94,13 @@ class FedRep(Averaging):
         optimizer = module.make_optimizer(working.head.parameters())
         torch.manual_seed(seed)
         n = index.numel()
+        bounds = batch_bounds(n, batch_size, merge_single=has_batch_norm(working.head))
         running = torch.zeros((), device=index.device)
         for _ in range(self.head_epochs):
             order = torch.randperm(n, device=index.device)
             running = torch.zeros((), device=index.device)
-            for start in range(0, n, batch_size):
-                b = order[start : start + batch_size]
+            for start, end in bounds:
+                b = order[start:end]
                 if ctx.autocast is None:
                     loss = F.cross_entropy(working.head(features[b]), targets[b])
                 else:
@@ -113,7 +117,7 @@ class FedRep(Averaging):
 
     @classmethod
     def communication(cls, cfg: DictConfig, model: nn.Module) -> tuple[int, int]:
-        body = sum(p.numel() for p in model.body.parameters())
+        body = state_numel(model.body)  # the body's parameters and BatchNorm statistics
         return body, body
 
     def _load(self, client: ClientSplit) -> None:
@@ -122,7 +126,7 @@ class FedRep(Averaging):
         self.ctx.module.load_working(0)
         head = self.load_client(client.id, "head")
         if head is not None:
-            assign_flat_(working.head, head)
+            assign_state_(working.head, head)
 
     def client_update(self, client: ClientSplit, rnd: int) -> dict[str, torch.Tensor]:
         working = self.ctx.module.working
@@ -136,7 +140,7 @@ class FedRep(Averaging):
                     self.local_train(client, rnd, None, epochs=self.head_epochs, stream="head")
         with train_only(working, working.body):
             loss = self.local_train(client, rnd, None, stream="body")
-        self.save_client(client.id, head=flat_parameters(working.head))
+        self.save_client(client.id, head=flat_state(working.head))
         self.contribute(0, client)
         return {"loss": loss_row(loss)}
 

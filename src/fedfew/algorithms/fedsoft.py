@@ -33,6 +33,11 @@ client with its personal model w_i (``score: personal``, the personalised number
 never took part gets the centre 0); ``score: centres`` instead lets each client pick the centre
 with the lowest loss on its selection split (the protocol FedFew and IFCA are scored with).
 
+BatchNorm: models are state vectors (:func:`fedfew.module.flat_state`): a personal model keeps
+its own running statistics, the centres' statistics are averaged with the weights u_ik n_i, a new
+personal model starts from the u-weighted mix of the centres' statistics, and the proximal
+term acts on the parameters only.
+
 Logged: ``w`` = u (P x K, in the slot FedFew uses for its client-model weights), ``assignment``
 = argmax_k u_ik, ``weight_per_model`` = sum_i u_ik n_i.
 
@@ -53,7 +58,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row, proximal_term
 from fedfew.algorithms._updates import check_number, finite_or_excluded
 from fedfew.data.base import ClientSplit, FederatedData
-from fedfew.module import assign_flat_, flat_parameters, unflatten_like
+from fedfew.module import assign_state_, flat_state, state_numel, unflatten_like
 
 SCORES = ("personal", "centres")
 
@@ -133,8 +138,8 @@ class FedSoft(Averaging):
 
     @classmethod
     def communication(cls, cfg: DictConfig, model: nn.Module) -> tuple[int, int]:
-        d = sum(p.numel() for p in model.parameters())
-        return d + cls.num_models(cfg), cls.num_models(cfg) * d  # up: w_i and u_i; down: all K centres
+        D = state_numel(model)
+        return D + cls.num_models(cfg), cls.num_models(cfg) * D  # up: w_i and u_i; down: all K centres
 
     def importance(self, client: ClientSplit, rnd: int) -> torch.Tensor:
         """u_i: estimated this round (every ``estimate_every`` rounds, or when none is saved) or
@@ -153,10 +158,11 @@ class FedSoft(Averaging):
         u = self.importance(client, rnd)
         centre = proximal_centre(u, self._server)
         if not self.load_personal(client, "personal"):
-            assign_flat_(working, centre)  # first participation: start at the proximal centre
+            assign_state_(working, centre)  # first participation: start at the proximal centre
+        # the proximal term on the parameters (unflatten_like reads the first d entries of the state)
         penalty = proximal_term(unflatten_like(centre, working), self.lam) if self.lam > 0 else None
         loss = self.local_train(client, rnd, None, penalty=penalty, stream="personal")
-        w = flat_parameters(working)
+        w = flat_state(working)
         if finite_or_excluded(ctx, client.id, w):
             self.save_client(client.id, personal=w)
             n = float(ctx.num_train[client.id])

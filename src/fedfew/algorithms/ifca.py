@@ -27,6 +27,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging
 from fedfew.data.base import ClientSplit
 from fedfew.local import evaluate_model
+from fedfew.module import state_numel
 
 
 def assign(losses: torch.Tensor) -> torch.Tensor:
@@ -48,8 +49,8 @@ class IFCA(Averaging):
 
     @classmethod
     def communication(cls, cfg: DictConfig, model: nn.Module) -> tuple[int, int]:
-        d = sum(p.numel() for p in model.parameters())
-        return d, cls.num_models(cfg) * d  # up: the one trained model; down: all K
+        D = state_numel(model)
+        return D, cls.num_models(cfg) * D  # up: the one trained model; down: all K
 
     def client_update(self, client: ClientSplit, rnd: int) -> dict[str, torch.Tensor]:
         ctx = self.ctx

@@ -20,7 +20,7 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row
 from fedfew.data.base import ClientSplit
-from fedfew.module import flat_parameters
+from fedfew.module import flat_state
 
 
 @ALGORITHMS.register("local")
@@ -39,7 +39,7 @@ class Local(Averaging):
     def client_update(self, client: ClientSplit, rnd: int) -> dict[str, torch.Tensor]:
         self.load_personal(client, "model")
         loss = self.local_train(client, rnd, None, stream=0)
-        self.save_client(client.id, model=flat_parameters(self.ctx.module.working))
+        self.save_client(client.id, model=flat_state(self.ctx.module.working))  # with its own BN statistics
         return {"loss": loss_row(loss)}
 
     def end_round(self, rnd: int, participants: list[int], rows: dict[str, torch.Tensor]) -> dict[str, Any]:

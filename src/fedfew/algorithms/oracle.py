@@ -20,6 +20,7 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row
 from fedfew.data.base import ClientSplit
+from fedfew.module import state_numel
 
 
 @ALGORITHMS.register("oracle")
@@ -48,8 +49,8 @@ class Oracle(Averaging):
 
     @classmethod
     def communication(cls, cfg: DictConfig, model: nn.Module) -> tuple[int, int]:
-        d = sum(p.numel() for p in model.parameters())
-        return d, d  # its group's model down, the trained copy up
+        D = state_numel(model)
+        return D, D  # its group's model down, the trained copy up
 
     def client_update(self, client: ClientSplit, rnd: int) -> dict[str, torch.Tensor]:
         k = int(client.group)

@@ -2,7 +2,8 @@
 
 An engine receives :class:`ClientJob` s (client id, its train indices on the device, one seed
 per model) and yields one :class:`ClientResult` per client: the running losses (K,) and the
-deltas (K, d) = theta_ik(local) - theta_k. The caller (FedFew's ``client_update``) folds each
+deltas (K, D) = theta_ik(local) - theta_k of the state vectors (parameters, then BatchNorm
+statistics: :func:`fedfew.module.flat_state`). The caller (FedFew's ``client_update``) folds each
 result into its streaming aggregate before asking for the next one, so an engine may (and
 does) hand out views of one reused buffer: a result is valid until the generator resumes.
 
@@ -19,9 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from torch import nn
 
-from fedfew.module import KModelSet
+from fedfew.module import KModelSet, has_batch_norm  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -95,18 +95,13 @@ class ClientResult:
     Attributes:
         client: client id.
         losses: (K,) float64 on the host: running loss (mean minibatch loss of the last epoch).
-        deltas: (K, d) float32 on the device; a view of the engine's buffer, valid until the
-            engine's generator is resumed.
+        deltas: (K, D) float32 on the device, state-vector deltas (:func:`fedfew.module.flat_state`
+            order); a view of the engine's buffer, valid until the engine's generator is resumed.
     """
 
     client: int
     losses: torch.Tensor
     deltas: torch.Tensor
-
-
-def has_batch_norm(model: nn.Module) -> bool:
-    """Whether ``model`` holds a BatchNorm layer (its batch statistics mix samples)."""
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 def compile_setting(value: Any) -> str | None:

@@ -2,8 +2,10 @@
 
 For each model k: copy server model k into the one working copy (in place), run
 :func:`fedfew.local.train_local` with seed ``derive_seed(seed, "local", round, client, k)``
-(shuffling and dropout), and write theta_ik - theta_k into a reused (K, d) buffer (slice by
-slice against server model k: no flat copy of the server models is kept).
+(shuffling and dropout), and write theta_ik - theta_k into a reused (K, D) buffer (slice by
+slice against server model k: no flat copy of the server models is kept). theta is the state
+vector (:func:`fedfew.module.state_tensors`): parameters, then BatchNorm running statistics and
+counters, so the statistics the working copy gathered travel with the parameters.
 """
 from __future__ import annotations
 
@@ -14,10 +16,12 @@ import torch
 from fedfew.engines import ENGINES
 from fedfew.engines.base import ClientJob, ClientResult, Engine
 from fedfew.local import train_local
+from fedfew.module import state_numel, state_tensors
 
 
 def write_flat_(out: torch.Tensor, parameters) -> torch.Tensor:
-    """Copy ``parameters`` (an iterable of tensors) into the (d,) vector ``out``, in order."""
+    """Copy ``parameters`` (an iterable of tensors, integer counters included) into the (D,)
+    vector ``out``, in order, converting to ``out``'s dtype."""
     offset = 0
     with torch.no_grad():
         for p in parameters:
@@ -55,7 +59,7 @@ class LoopEngine(Engine):
         module = self.module
         if self._deltas is None:
             first = next(module.working.parameters())
-            dim = sum(p.numel() for p in module.working.parameters())
+            dim = state_numel(module.working)
             self._deltas = torch.empty((self.K, dim), dtype=first.dtype, device=first.device)
         for job in jobs:
             losses = torch.zeros(self.K, dtype=torch.float64)
@@ -65,6 +69,6 @@ class LoopEngine(Engine):
                     module, self.data, job.index, self.epochs, self.batch_size, seed=job.seeds[k],
                     autocast=self.autocast, forward=self._forward,
                 )
-                subtract_flat_(write_flat_(self._deltas[k], module.working.parameters()), module.models[k].parameters())
+                subtract_flat_(write_flat_(self._deltas[k], state_tensors(module.working)), state_tensors(module.models[k]))
             self._client_done()
             yield ClientResult(job.client, losses, self._deltas)

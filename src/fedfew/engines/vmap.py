@@ -16,9 +16,11 @@ the rows; the step runs on that prefix only (finished clients cost nothing) and 
 last batch is smaller than the step's width is padded with zero-weight samples.
 
 BatchNorm: running statistics are functional buffers (R, ...) updated in place by the
-vectorised forward, exactly as the loop engine updates its working copy; since zero-weight
+vectorised forward, exactly as the loop engine updates its working copy, and their deltas are
+part of each copy's state-vector delta (:func:`fedfew.module.state_tensors`); since zero-weight
 padding would enter the batch statistics, clients of different sizes never share a chunk for
-a model with BatchNorm.
+a model with BatchNorm, and a final batch of one sample is merged into the previous batch as in
+``engine=loop`` (:func:`fedfew.local.batch_bounds`).
 
 Random numbers (documented difference to ``engine=loop``): model k of a client is shuffled by
 its own generator seeded with ``derive_seed(seed, "local", round, client, k)`` -- the same
@@ -41,6 +43,8 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from fedfew.engines import ENGINES
 from fedfew.engines.base import ClientJob, ClientResult, Engine, has_batch_norm
+from fedfew.local import batch_bounds
+from fedfew.module import is_state_buffer, state_numel
 from fedfew.seeding import derive_seed
 
 
@@ -83,8 +87,10 @@ class VmapEngine(Engine):
         template = self.module.working
         self._names = [name for name, _ in template.named_parameters()]
         self._buffer_names = [name for name, _ in template.named_buffers()]
-        self._numels = [p.numel() for p in template.parameters()]
-        self.dim = sum(self._numels)
+        #: the state vector's tensors as (stacked list, index): parameters, then the state buffers
+        self._state = [("params", j) for j in range(len(self._names))] + [
+            ("buffers", j) for j, (name, b) in enumerate(template.named_buffers()) if is_state_buffer(name, b)]
+        self.dim = state_numel(template)
         #: BatchNorm: chunks only hold clients of equal size (no padding in batch statistics)
         self.exact_groups = has_batch_norm(template)
         if self.module.optimizer != "sgd":
@@ -150,16 +156,18 @@ class VmapEngine(Engine):
                 dst[: clients * K].view(clients, K, *src.shape)[:, k].copy_(src)
 
     def _write_deltas(self, clients: int) -> torch.Tensor:
-        """(C*K, d) theta_ck(local) - theta_k in the reused delta buffer."""
+        """(C*K, D) theta_ck(local) - theta_k of the state vectors in the reused delta buffer."""
         rows = clients * self.K
         out = self._deltas[:rows].view(clients, self.K, self.dim)
-        server = [list(m.parameters()) for m in self.module.models]
+        server = [(list(m.parameters()), list(m.buffers())) for m in self.module.models]
         offset = 0
-        for j, (p, n) in enumerate(zip(self._params, self._numels)):
+        for kind, j in self._state:
+            stacked = (self._params if kind == "params" else self._buffers)[j]
+            n = stacked[0].numel()
             block = out[..., offset : offset + n]
-            block.copy_(p[:rows].view(clients, self.K, n))
+            block.copy_(stacked[:rows].view(clients, self.K, n))
             for k in range(self.K):
-                block[:, k].sub_(server[k][j].detach().reshape(-1))
+                block[:, k].sub_(server[k][0 if kind == "params" else 1][j].detach().reshape(-1))
             offset += n
         return self._deltas[:rows]
 
@@ -240,9 +248,10 @@ class VmapEngine(Engine):
             for _ in range(self.epochs):
                 orders = self._orders(jobs, generators, sizes[0])
                 running.zero_()
-                for start in range(0, sizes[0], B):
+                # BatchNorm: every row has the same size (exact groups), so one merged last batch fits all
+                for start, end in batch_bounds(sizes[0], B, merge_single=self.exact_groups):
                     active = sum(1 for n in sizes if n > start)
-                    width = min(B, sizes[0] - start)
+                    width = end - start
                     counts = n_rows[:active].sub(start).clamp_(max=width)
                     if sizes[active - 1] - start >= width:  # every active copy has a full batch
                         weight = torch.full((active, width), 1.0 / width, device=device)

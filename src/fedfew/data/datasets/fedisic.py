@@ -15,8 +15,8 @@ The CSV has a header with at least ``image,target,center,fold``: ``target`` in 0
 BCC, AK, BKL, DF, VASC, SCC), ``center`` in 0..5 (BCN, HAM_vidir_molemax, HAM_vidir_modern,
 HAM_rosendahl, MSK, HAM_vienna_dias), ``fold`` ``train`` or ``test``. Rows: the ``train``
 rows then the ``test`` rows, each sorted by image name; ``official_test`` marks the test
-rows and ``groups`` the centre. Images are resized (shorter side to ``image_size``, default
-64, then centre crop) while decoding.
+rows and ``groups`` the centre. Images are resized (shorter side to ``image_size``, 224 in
+conf/dataset/fedisic.yaml as in the reference, then centre crop) while decoding.
 """
 from __future__ import annotations
 

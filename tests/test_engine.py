@@ -206,8 +206,8 @@ def test_compile_plumbing_matches_eager(tmp_path, cpu_fabric):
     toolchain needed) and changes nothing in the result."""
     out = {}
     for engine, compile_ in [("loop", "false"), ("vmap", "aot_eager")]:
-        cfg = compose_config("num_clients=3", "algorithm.K=2", "dataset.batch_size=64", "logger=none",
-                             f"engine={engine}", f"compile={compile_}")
+        cfg = compose_config("num_clients=3", "partition=dirichlet", "algorithm.K=2", "dataset.batch_size=64",
+                             "logger=none", f"engine={engine}", f"compile={compile_}")
         sim = Simulation(cfg, cpu_fabric, tmp_path)
         out[engine] = sim.run_round(1)["loss"], server_flat(sim.module)
     torch.testing.assert_close(out["vmap"][0], out["loop"][0], **TOL)

@@ -36,7 +36,7 @@ BASELINES = ("fedavg", "fedprox", "local", "ifca", "fedrep", "ditto", "apfl")
 
 def small_sim(tmp_path, cpu_fabric, algorithm: str, *overrides: str, epochs: int = 1) -> Simulation:
     cfg = compose_config(
-        "num_clients=4", f"algorithm={algorithm}", "rounds=1", f"local_epochs={epochs}",
+        "num_clients=4", "partition=dirichlet", f"algorithm={algorithm}", "rounds=1", f"local_epochs={epochs}",
         f"dataset.batch_size={BATCH}", f"optim.lr={LR}", "logger=none", *overrides,
     )
     return Simulation(cfg, cpu_fabric, tmp_path)

@@ -138,7 +138,7 @@ def _wait_rows(path: Path, rows: int, child: subprocess.Popen, timeout: float = 
 @pytest.mark.slow
 def test_ctrl_c_checkpoints_then_resume_checks_config_and_appends_logs(tmp_path):
     common = ["rounds=8", "num_clients=4", "partition=iid", "local_epochs=5", "trainer.threads=1", "logger=csv",
-              "eval_every=2"]
+              "eval_every=2", "algorithm.mu=0.2"]
     run_dir = tmp_path / "run"
     child = subprocess.Popen([sys.executable, "-m", "fedfew.train", f"hydra.run.dir={run_dir}", *common], cwd=ROOT,
                              env={**os.environ, "WANDB_MODE": "disabled"}, stdout=subprocess.PIPE,
@@ -155,7 +155,7 @@ def test_ctrl_c_checkpoints_then_resume_checks_config_and_appends_logs(tmp_path)
     assert last.endswith(f"hydra.run.dir={run_dir} resume=auto") and "rounds=8" in last
     assert _steps(run_dir / "logs" / "metrics.csv") == list(range(1, stopped + 1))
 
-    changed = train(f"hydra.run.dir={run_dir}", *common, "algorithm.mu=0.5", "resume=auto")
+    changed = train(f"hydra.run.dir={run_dir}", *common[:-1], "algorithm.mu=0.5", "resume=auto")
     assert changed.returncode == 2 and "algorithm.mu: checkpoint 0.2, now 0.5" in changed.stderr, changed.stderr[-2000:]
     assert not (run_dir / "results.json").exists()  # nothing ran
 

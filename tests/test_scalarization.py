@@ -82,12 +82,14 @@ def test_single_model_gives_w_one():
 
 
 def test_sample_weighting_scales_losses_by_client_share():
+    """mu_scale=reference: L_ik * n_i / sum_j n_j (pgg3/FedFew); relative: L_ik * n_i / mean_j n_j."""
     L = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     n = torch.tensor([30, 10])
-    scaled = weight_losses(L, n, "samples")
+    scaled = weight_losses(L, n, "samples", "reference")
     torch.testing.assert_close(scaled, torch.tensor([[0.75, 1.5], [0.75, 1.0]]))
-    res = stch_set(L, 0.5, n, "samples")
+    res = stch_set(L, 0.5, n, "samples", "reference")
     torch.testing.assert_close(res.w, torch.softmax(-scaled / 0.5, dim=1))
+    torch.testing.assert_close(weight_losses(L, n, "samples", "relative"), torch.tensor([[1.5, 3.0], [1.5, 2.0]]))
 
 
 @pytest.mark.parametrize("mu", [0.0, -1.0, float("nan"), float("inf")])

@@ -15,7 +15,7 @@ from fedfew.auto_k import AutoK, redundant_models
 from fedfew.checkpoint import checkpoint_path
 from fedfew.config import ConfigError, validate_config
 from fedfew.module import KModelSet
-from fedfew.mu_schedule import round_mu
+from fedfew.mu_schedule import effective_clients, round_mu, spread_mu
 from fedfew.simulation import Simulation
 from torch import nn
 
@@ -129,7 +129,8 @@ def test_a_break_resets_the_streak():
 # -- the schedules of mu --------------------------------------------------------------------------
 
 def _alg(**kw):
-    return OmegaConf.create({"mu": 0.2, "mu_schedule": "constant", "mu_end": 0.01, "mu_ratio": 0.1, **kw})
+    return OmegaConf.create({"mu": 0.2, "mu_schedule": "constant", "mu_end": 0.01, "mu_ratio": 0.1, "mu_clients": 0.5,
+                             **kw})
 
 
 def test_mu_schedules_first_middle_last_round():
@@ -141,18 +142,40 @@ def test_mu_schedules_first_middle_last_round():
     assert [round_mu(_alg(), r, R, None, 10) for r in (1, 3, 5)] == [0.2, 0.2, 0.2]
     loss = _alg(mu_schedule="loss")
     assert round_mu(loss, 1, R, None, 10) == pytest.approx(0.1 * math.log(10))  # untrained: log C
-    assert round_mu(loss, 3, R, 0.8, 10) == pytest.approx(0.08)
-    assert round_mu(loss, 5, R, 0.05, 10) == pytest.approx(0.005)
+    assert round_mu(loss, 3, R, torch.tensor([0.6, 1.0]), 10) == pytest.approx(0.08)
+    assert round_mu(loss, 5, R, torch.tensor([0.05]), 10) == pytest.approx(0.005)
     with pytest.raises(ValueError, match="mu_schedule='linear'"):
         round_mu(_alg(mu_schedule="linear"), 1, R, None, 10)
 
 
-def test_loss_schedule_makes_w_scale_free():
-    """mu_r = mu_ratio * mean best loss: scaling every loss by 7 leaves w unchanged."""
-    L = torch.tensor([[0.3, 0.9], [1.2, 0.4], [0.5, 0.6]], dtype=torch.float64)
-    mu = round_mu(_alg(mu_schedule="loss"), 2, 5, float(L.min(dim=1).values.mean()), 10)
-    mu7 = round_mu(_alg(mu_schedule="loss"), 2, 5, float((7 * L).min(dim=1).values.mean()), 10)
+@pytest.mark.parametrize("schedule", ["loss", "spread"])
+def test_loss_schedules_make_w_scale_free(schedule):
+    """mu set from the previous round's best losses: scaling every loss by 7 scales mu by 7 and
+    leaves w unchanged."""
+    L = torch.tensor([[0.3, 0.9], [1.2, 0.4], [0.5, 0.6], [0.2, 0.8]], dtype=torch.float64)
+    cfg = _alg(mu_schedule=schedule)
+    mu = round_mu(cfg, 2, 5, L.min(dim=1).values, 10, previous_mu=0.2)
+    mu7 = round_mu(cfg, 2, 5, (7 * L).min(dim=1).values, 10, previous_mu=0.2)
+    assert mu7 == pytest.approx(7 * mu) and mu != 0.2
     torch.testing.assert_close(_w(7 * L, mu7), _w(L, mu))
+
+
+def test_spread_by_hand():
+    """Best losses [0, 0, 0, 1]: with x = e^(1/mu) the weights are (1, 1, 1, x) / (3 + x) and
+    1 / sum a_i^2 = (3 + x)^2 / (3 + x^2). Half of P = 4 clients: (3 + x)^2 = 2 (3 + x^2), so
+    x^2 - 6x - 3 = 0, x = 3 + 2 sqrt(3) and mu = 1 / log(3 + 2 sqrt(3))."""
+    best = torch.tensor([0.0, 0.0, 0.0, 1.0])
+    mu = spread_mu(best, 0.5)
+    assert mu == pytest.approx(1 / math.log(3 + 2 * math.sqrt(3)), rel=1e-9)
+    assert effective_clients(best, mu) == pytest.approx(2.0, rel=1e-9)
+    assert spread_mu(torch.cat([best, best]), 0.5) == pytest.approx(mu, rel=1e-9)  # every client duplicated
+    # undefined (the previous mu is kept): equal losses, one client, or a target of at most one client
+    assert spread_mu(torch.ones(5), 0.5) is None and spread_mu(torch.ones(1), 0.5) is None
+    assert spread_mu(best, 0.25) is None
+    cfg = _alg(mu_schedule="spread")
+    assert round_mu(cfg, 1, 5, None, 10) == 0.2  # round 1: algorithm.mu
+    assert round_mu(cfg, 2, 5, torch.ones(5), 10, previous_mu=0.07) == 0.07
+    assert round_mu(cfg, 2, 5, best, 10, previous_mu=0.07) == pytest.approx(mu)
 
 
 # -- config errors before any compute ------------------------------------------------------------
@@ -167,6 +190,7 @@ def test_loss_schedule_makes_w_scale_free():
      "algorithm.mu_end=0.5 > algorithm.mu=0.1 with mu_schedule=cosine"),
     (["algorithm.mu_schedule=exponential", "algorithm.mu=0.2", "algorithm.mu_end=1.0"], "mu_end=1.0 > algorithm.mu=0.2"),
     (["algorithm.mu_schedule=linear"], "algorithm.mu_schedule='linear': allowed constant | cosine"),
+    (["algorithm.mu_schedule=spread", "algorithm.mu_clients=1.0"], "algorithm.mu_clients=1.0: allowed number in (0, 1)"),
     (["algorithm.K=many"], "algorithm.K='many': allowed integer >= 1, or auto"),
 ])
 def test_bad_auto_k_and_mu_settings_are_named(overrides, needle):
@@ -178,6 +202,7 @@ def test_bad_auto_k_and_mu_settings_are_named(overrides, needle):
 def test_good_settings_pass():
     validate_config(compose_config("algorithm.K=auto"))
     validate_config(compose_config("algorithm.K=auto", "algorithm.K_max=20", "algorithm.mu_schedule=loss"))
+    validate_config(compose_config("algorithm.mu_schedule=spread", "algorithm.mu_clients=0.25"))
     validate_config(compose_config("algorithm.mu_schedule=cosine", "algorithm.mu=0.2", "algorithm.mu_end=0.2"))  # mu_end = mu
 
 

@@ -22,8 +22,9 @@ paper's text), ``server_lr`` (eta_s = 1, as the reference), ``normalize`` (true,
 divide model k's step by sum_i alpha_i w_ik, so each model moves by the weighted *mean* of its
 deltas | false: the reference's rule). ``K=auto`` (with ``K_max``, ``K_min``, ``auto_patience``)
 starts with K_max models and retires redundant ones (:mod:`fedfew.auto_k`); ``mu_schedule``
-(constant | cosine | exponential, from ``mu`` to ``mu_end`` | loss, mu = ``mu_ratio`` x the mean
-best loss) sets mu per round (:mod:`fedfew.mu_schedule`).
+(constant | cosine, exponential: from ``mu`` to ``mu_end`` | spread: alpha spreads over
+``mu_clients`` of the clients | loss: ``mu_ratio`` x the mean best loss) sets mu per round
+(:mod:`fedfew.mu_schedule`).
 
 Why ``normalize=true`` is the default: with the reference's rule sum_k sum_i alpha_i w_ik = 1, so
 the K models share ONE client-sized step. The model that leads early takes most of it, the
@@ -107,7 +108,7 @@ class FedFew(Algorithm):
         if cfg.get("mu_scale", "relative") not in MU_SCALES:
             raise ValueError(f"algorithm.mu_scale={cfg.mu_scale!r}; allowed: {', '.join(MU_SCALES)}")
         self.mu = float(cfg.mu)  # this round's mu (algorithm.mu_schedule, set in begin_round)
-        self._best_loss: float | None = None  # mean best scaled loss of the last round (mu_schedule=loss)
+        self._best: torch.Tensor | None = None  # (P,) best scaled losses of the last round (mu_schedule spread, loss)
         # K=auto (fedfew.auto_k): retire models no client needs; its own rule replaces the collapse warning
         self.auto = AutoK(int(cfg.get("K_min", 1)), int(cfg.get("auto_patience", 3))) if self.is_auto(cfg) else None
         self.watch_collapse = self.auto is None
@@ -128,7 +129,7 @@ class FedFew(Algorithm):
 
     def begin_round(self, rnd: int, participants: list[int]) -> None:
         ctx, module = self.ctx, self.ctx.module
-        self.mu = round_mu(self.cfg, rnd, int(ctx.cfg.rounds), self._best_loss, ctx.data.num_classes)
+        self.mu = round_mu(self.cfg, rnd, int(ctx.cfg.rounds), self._best, ctx.data.num_classes, previous_mu=self.mu)
         dim = state_numel(module.working)  # state vector: parameters + BatchNorm statistics
         self._accumulator = LogWeightedSum(module.K, dim, device=ctx.fabric.device)
         self._participant_total = float(ctx.num_train[participants].sum())
@@ -230,7 +231,7 @@ class FedFew(Algorithm):
             assign_state_(model, new)
         self._accumulator = None
         diagnostics = set_diagnostics(losses[valid], w[valid], [flat_parameters(m) for m in self.ctx.module.models])
-        self._best_loss = float(weights.losses.min(dim=1).values.mean())  # Lbar of mu_schedule=loss
+        self._best = weights.losses.min(dim=1).values.double()  # b_i of mu_schedule spread / loss
         if self.auto is not None:  # K=auto: retire a redundant model after this round's step
             retired = self.auto.step(rnd, weights.losses, weights.w, self.mu, ids)
             if retired is not None:
@@ -256,12 +257,13 @@ class FedFew(Algorithm):
                 "K_changes": [c.as_dict() for c in self.auto.changes]}
 
     def state_dict(self) -> dict[str, Any]:
-        """The mu rule's loss level and the K=auto streaks and changes (the model ids are the
-        module's, saved with the models)."""
-        return {"best_loss": self._best_loss, "auto": self.auto.state_dict() if self.auto is not None else None}
+        """What the mu schedules read (the last round's mu and best losses) and the K=auto
+        streaks and changes (the model ids are the module's, saved with the models)."""
+        return {"mu": self.mu, "best_losses": self._best,
+                "auto": self.auto.state_dict() if self.auto is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._best_loss = state.get("best_loss")
+        self.mu, self._best = float(state["mu"]), state["best_losses"]
         if self.auto is not None and state.get("auto") is not None:
             self.auto.load_state_dict(state["auto"])
 

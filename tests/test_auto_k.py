@@ -234,6 +234,7 @@ def _state(sim):
     return {k: v.clone() for k, v in sim.module.models.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_auto_that_cannot_retire_equals_fixed_k(cpu_fabric, tmp_path):
     """K=auto with K_min = K_max = 3 (no retirement possible) gives the parameters of K = 3."""
     runs = {}
@@ -253,6 +254,7 @@ def test_auto_that_cannot_retire_equals_fixed_k(cpu_fabric, tmp_path):
     assert "model_set_change" not in auto_logs[1]
 
 
+@pytest.mark.slow
 def test_resume_after_k_changed_gives_the_uninterrupted_models(cpu_fabric, tmp_path):
     """mu_schedule=loss with mu_ratio = 20 (mu ~ 45 nats: every pair of models is a duplicate)
     and patience 1: K=auto retires one model after round 1 and one after round 2. A checkpoint

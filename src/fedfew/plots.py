@@ -222,7 +222,7 @@ def matrix_figure(history: dict[str, Any], rnd: int, key: str = "w") -> Figure |
     if M <= 40:
         ax.set_yticks(range(M))
         ax.tick_params(axis="y", labelsize=7)
-    ax.set_xticks(range(K))
+    ax.set_xticks(range(K), [str(m) for m in (rec.get("model_ids") or range(K))])  # ids: K=auto retires models
     name = {"w": "w (client-model weights)", "loss": "L (loss of model k on client i)"}.get(key, key)
     ax.set(xlabel="model k", ylabel="client i", title=f"{name}\nround {rnd}; boxes: {pick}")
     return fig

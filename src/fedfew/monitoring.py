@@ -129,7 +129,7 @@ def heatmap_image(logs: dict[str, Any], key: str, num_clients: int):
     PNG files), or None."""
     from fedfew.plots import matrix_figure
 
-    rec = {"round": logs["round"], "participants": list(logs["participants"]),
+    rec = {"round": logs["round"], "participants": list(logs["participants"]), "model_ids": logs.get("model_ids"),
            key: logs[key].detach().cpu().double().reshape(len(logs["participants"]), -1).tolist()}
     fig = matrix_figure({"num_clients": num_clients, "rounds": [rec]}, logs["round"], key)
     return None if fig is None else _png_image(fig, f"{key}, round {logs['round']}")

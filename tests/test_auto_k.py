@@ -311,6 +311,9 @@ def test_every_change_of_k_is_logged(tmp_path):
     assert changes[0].startswith("round 1: retired model ") and "duplicate of model" in changes[0]
     assert changes[1].startswith("round 2: retired model ") and changes[2] == ""
     results = json.loads((run_dir / "results.json").read_text())
+    # communication counts the models each round had (FedFew sends K models down and K deltas up)
+    sent = [int(float(r["bytes_up"])) for r in rows]
+    assert sent == [3 * sent[2], 2 * sent[2], sent[2]] and results["budget"]["bytes_up_total"] == sum(sent)
     s = results["summary"]
     assert s["K"] == 1 and s["K_initial"] == 3 and len(s["model_ids"]) == 1
     assert [c["text"] for c in s["K_changes"]] == changes[:2]

@@ -161,16 +161,19 @@ class Simulation:
         logs = self.algorithm.end_round(rnd, participants, gathered)
         logs.update(round=rnd, participants=participants, round_time_s=time.perf_counter() - start,
                     lr=self.module.lr)
-        logs.update(self._spent(len(participants), steps.count))
+        logs.update(self._spent(len(participants), steps.count, models=logs.get("K")))
         return logs
 
-    def _spent(self, num_participants: int, steps: int) -> dict[str, int]:
+    def _spent(self, num_participants: int, steps: int, models: int | None = None) -> dict[str, int]:
         """This round's budget (every rank gets the same): bytes sent up and down by all its
         participants, local SGD steps (summed over ranks; absent with the vmap engine), and
-        their running totals (continued across a resume from the restored history)."""
+        their running totals (continued across a resume from the restored history).
+        ``models``: the server models the round used when fewer than at the start (FedFew's
+        K=auto retires models; its communication is proportional to K)."""
         prev = self.history[-1] if self.history else {}
-        out: dict[str, int] = {"bytes_up": self.communication.bytes_up * num_participants,
-                               "bytes_down": self.communication.bytes_down * num_participants}
+        share = (int(models), self.module.initial_K) if models else (1, 1)
+        out: dict[str, int] = {"bytes_up": self.communication.bytes_up * num_participants * share[0] // share[1],
+                               "bytes_down": self.communication.bytes_down * num_participants * share[0] // share[1]}
         if self.count_steps:
             out["local_steps"] = int(all_reduce_(torch.tensor([float(steps)], device=self.fabric.device)).item())
         for key in list(out):
@@ -191,7 +194,9 @@ class Simulation:
             "params_up_per_client_round": c.params_up, "params_down_per_client_round": c.params_down,
             "bytes_per_parameter": c.bytes_per_parameter,
             "bytes_up_per_client_round": c.bytes_up, "bytes_down_per_client_round": c.bytes_down,
-            "bytes_up_per_round": c.bytes_up * per_round, "bytes_down_per_round": c.bytes_down * per_round,
+            # the last round's (K=auto: with the models it had; the per-client figures are the K_max models')
+            "bytes_up_per_round": int(last.get("bytes_up", c.bytes_up * per_round)),
+            "bytes_down_per_round": int(last.get("bytes_down", c.bytes_down * per_round)),
             "bytes_up_total": int(last.get("bytes_up_cumulative", 0)),
             "bytes_down_total": int(last.get("bytes_down_cumulative", 0)),
             "local_steps": int(last["local_steps_cumulative"]) if "local_steps_cumulative" in last else None,

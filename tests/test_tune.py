@@ -88,6 +88,15 @@ def test_bad_input_is_refused_before_any_run(tmp_path, fake, monkeypatch):
     assert not out.exists() and not log.exists()  # nothing ran, nothing was written
 
 
+def test_the_default_list_leaves_out_what_cannot_run_and_a_named_one_is_an_error(tmp_path):
+    args = tune.parse_args(["--out", str(tmp_path), "--", "partition=dirichlet"])
+    names = [p.algorithm for p in tune.plans(args)]
+    assert "oracle" not in names and {"fedfew", "fedavg", "fedrep"} <= set(names)   # oracle needs client groups
+    with pytest.raises(TuneError, match="oracle.*use partition=clustered"):
+        tune.plans(tune.parse_args(["--algorithms", "oracle", "--out", str(tmp_path), "--", "partition=dirichlet"]))
+    assert not tmp_path.joinpath("oracle").exists()
+
+
 def test_malformed_dimensions_are_named():
     src = Path("x.yaml")
     for spec, needle in [({"low": 1, "high": 0.5}, "low < high"), ({"low": 0, "high": 1, "log": True}, "low > 0"),
@@ -193,9 +202,9 @@ def shuffled(cfg, *args, **kwargs):
     return data
 
 federated.build_federated_data = shuffled
-from fedfew.train import cli
+import runpy
 sys.argv = ["fedfew.train", *sys.argv[1:]]
-cli()
+runpy.run_module("fedfew.train", run_name="__main__", alter_sys=True)  # as python -m fedfew.train
 '''
 
 
@@ -209,7 +218,7 @@ def test_tuning_never_reads_the_test_labels(tmp_path):
 
     def run(out, command, trials):
         args = ["--dataset", "digits", "--algorithms", "fedfew", "--trials", str(trials), "--out", str(out),
-                "--install", "no", *extra]
+                "--install", "no", "--startup", "1", *extra]  # trials 2 and 3: TPE, chosen from the scores
         assert tune.main(args, command=command) == 0
 
     run(tmp_path / "plain", plain, 2)

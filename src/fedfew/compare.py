@@ -556,12 +556,20 @@ def ranking_note(rows: Sequence[dict[str, Any]], reference: str | None) -> str |
     if not reference or reference not in names or len(names) < 2:
         return None
     place = names.index(reference)
+
+    def gap(row: dict[str, Any]) -> str:
+        """The paired difference row - reference over seeds, and whether it is within one std."""
+        d, sd = row.get("diff_acc_mean"), row.get("diff_acc_mean_std")
+        if d is None or sd is None or math.isnan(sd):
+            return ""
+        return f"; paired {row['algorithm']} - {reference}: {d:+.4f} ± {sd:.4f}" + (" (within one std)" if abs(d) <= sd else "")
+
     if place == 0:
-        return f"{reference} is first on client-mean accuracy ({ranked[0]['acc_mean']:.4f}; next: " \
-               f"{ranked[1]['algorithm']} {ranked[1]['acc_mean']:.4f})"
+        return (f"{reference} is first on client-mean accuracy ({ranked[0]['acc_mean']:.4f}; next: "
+                f"{ranked[1]['algorithm']} {ranked[1]['acc_mean']:.4f}{gap(ranked[1])})")
     ahead = ", ".join(f"{r['algorithm']} {r['acc_mean']:.4f}" for r in ranked[:place])
     return (f"**{reference} is not first**: it ranks {place + 1} of {len(names)} on client-mean accuracy "
-            f"({ranked[place]['acc_mean']:.4f}); ahead of it: {ahead}")
+            f"({ranked[place]['acc_mean']:.4f}); ahead of it: {ahead}{gap(ranked[0])}")
 
 
 def write_tables(out: Path, rows: Sequence[dict[str, Any]], title: str, notes: Sequence[str] = ()) -> None:

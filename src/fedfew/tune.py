@@ -503,7 +503,7 @@ def preset_text(plan: Plan, study, command: str) -> str:
         f"each client's train split, never trained on; eval.split=val: the test split is never read), "
         + ("mean of the last 3 evaluations" if plan.objective == "last3" else "final round")
         + f", mean over seeds {' '.join(map(str, plan.seeds))}",
-        f"# best validation score: {best.value:.4f} (trial {best.number}); tuning wall time {wall / 60:.1f} min",
+        f"# best validation score: {best.value:.4f} (trial {best.number}); trials' wall time, summed: {wall / 60:.1f} min",
         f"# made by: {os.environ.get('FEDFEW_TUNE_MADE_BY') or 'python -m fedfew.tune'} on "
         f"{datetime.date.today().isoformat()}",
         f"# command: {command}",
@@ -555,9 +555,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def plans(args: argparse.Namespace) -> list[Plan]:
     """Check everything and compose each algorithm's trial config, before any run.
 
+    Without ``--algorithms``, every registered algorithm whose config validates on this setup
+    (e.g. not ``oracle`` without client groups, not ``fedbn`` on a model without BatchNorm).
+
     Raises:
         TuneError: bad counts, reserved or zero-validation overrides, an unknown algorithm,
-            a missing/malformed/empty search space, a config that does not validate.
+            a missing/malformed/empty search space, a named algorithm whose config does not
+            validate.
     """
     from fedfew.algorithms import ALGORITHMS
     from fedfew.config import ConfigError, validate_config
@@ -587,7 +591,8 @@ def plans(args: argparse.Namespace) -> list[Plan]:
     out = Path(args.out or f"outputs/tune/{args.dataset}").expanduser().resolve()
     startup = args.startup
     fixed = fixed_keys(args.extra)
-    result = []
+    result: list[Plan] = []
+    skipped: list[str] = []
     for alg in algorithms:
         dims = [d for d in load_space(alg) if d.key not in fixed]
         if not dims:
@@ -601,6 +606,9 @@ def plans(args: argparse.Namespace) -> list[Plan]:
         try:
             validate_config(cfg)
         except ConfigError as err:
+            if args.algorithms is None:  # the default list: leave out what cannot run on this setup
+                skipped.append(f"{alg} ({' '.join(str(err).split())})")
+                continue
             raise TuneError(f"{alg}: {err}") from err
         plan.space = [d.resolve(cfg) for d in dims]
         plan.cfg = cfg
@@ -609,6 +617,11 @@ def plans(args: argparse.Namespace) -> list[Plan]:
                          "val_fraction": plan.val_fraction, "objective": plan.objective,
                          "sampler_seed": plan.sampler_seed, "startup": startup}
         result.append(plan)
+    if skipped:
+        _echo("left out (they cannot run on this setup; name them in ALGORITHMS to see the error): "
+              + "; ".join(skipped))
+    if not result:
+        raise TuneError("no algorithm can run on this setup: " + "; ".join(skipped))
     return result
 
 
@@ -647,7 +660,7 @@ def main(argv: Sequence[str] | None = None, command: Sequence[str] = TRAIN_COMMA
         echo(f"{plan.algorithm}: best validation acc {best.value:.4f} with {_fmt_values(best.user_attrs['values'])} "
              f"(trial {best.number}) -> {', '.join(map(str, written))}")
     table = ["# tune: " + args.dataset, "", f"command: `{command_line}`", "",
-             "| algorithm | best validation acc | values | trials | trial wall time (min) |", "|---|---|---|---|---|",
+             "| algorithm | best validation acc | values | trials | trials' wall time, summed (min) |", "|---|---|---|---|---|",
              *lines, "", f"total wall time of this invocation: {(time.perf_counter() - start) / 60:.1f} min"]
     atomic_write_text(out / "tune.md", "\n".join(table) + "\n")
     if not install:

@@ -28,7 +28,7 @@ args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a and not a.startswi
 run_dir = args["hydra.run.dir"]
 with open(os.environ["FAKE_LOG"], "a") as log:
     log.write(run_dir + "\\n")
-lr = float(args["optim.lr"])
+lr = float(args.get("optim.lr", 0.3))   # the digits config's lr when the trial runs the defaults
 if lr > float(os.environ.get("FAKE_FAIL_ABOVE", "inf")):
     print("diverged on purpose"); sys.exit(1)
 assert args["eval.split"] == "val" and float(args["partition.val_fraction"]) > 0 and args["logger"] == "none"
@@ -55,12 +55,19 @@ def argv(out, trials, *more, algorithms=("fedavg",), jobs=1):
             "--out", str(out), "--install", "no", *more, "--", "partition=dirichlet", "num_clients=4", "rounds=3"]
 
 
-def trial_values(out, algorithm="fedavg"):
+def load(out, algorithm="fedavg"):
     import optuna
+
+    return optuna.load_study(study_name=f"digits_{algorithm}", storage=f"sqlite:///{out / algorithm / 'study.db'}")
+
+
+def trial_values(out, algorithm="fedavg"):
+    """(values, score) of every finished sampled trial, then the config defaults' score."""
     from optuna.trial import TrialState
 
-    study = optuna.load_study(study_name=f"digits_{algorithm}", storage=f"sqlite:///{out / algorithm / 'study.db'}")
-    return [(t.user_attrs["values"], t.value) for t in study.get_trials(states=(TrialState.COMPLETE,))]
+    study = load(out, algorithm)
+    sampled = [(t.user_attrs["values"], t.value) for t in study.get_trials(states=(TrialState.COMPLETE,))]
+    return sampled + [study.user_attrs.get("defaults", {}).get("value")]
 
 
 def test_bad_input_is_refused_before_any_run(tmp_path, fake, monkeypatch):
@@ -140,19 +147,23 @@ def test_study_is_reproducible_resumes_and_writes_a_preset(tmp_path, fake):
     assert tune.main(argv(whole, 5), command=command) == 0
     assert tune.main(argv(parts, 3), command=command) == 0
     first = log.read_text().splitlines()
+    assert len(first) == (5 + 1) + (3 + 1)                          # sampled trials and the config defaults, each
     assert tune.main(argv(parts, 5), command=command) == 0          # resumes: 2 more trials only
     assert len(log.read_text().splitlines()) == len(first) + 2
     assert trial_values(parts) == trial_values(whole)               # as if never interrupted
-    values = trial_values(whole)
+    *values, defaults = trial_values(whole)
     assert len(values) == 5 and len({v["optim.lr"] for v, _ in values}) == 5
+    assert defaults == pytest.approx(1.0 - abs(math.log(0.3 / 0.1)) / 10 - 0.01)   # lr 0.3: the config's
     best_values, best = max(values, key=lambda x: x[1])
     assert best == pytest.approx((1.0 - abs(math.log(best_values["optim.lr"] / 0.1)) / 10) - 0.01)  # last 3 evals
+    chosen, score = (best_values, best) if best >= defaults else ({"optim.lr": 0.3}, defaults)
     text = (whole / "presets" / "digits_fedavg.yaml").read_text()
     for needle in ("# @package _global_", "# search space: optim.lr log-uniform [0.03, 0.6]",
-                   "# trials: 5", "# made by:", "# command: python -m fedfew.tune", f"# best validation score: {best:.4f}",
+                   "# trials: 5 sampled", "# made by:", "# command: python -m fedfew.tune",
+                   f"# best validation score: {score:.4f}", f"the config defaults scored {defaults:.4f}",
                    "partition.val_fraction=0.2", "never read", "# tuned for: digits, dirichlet alpha=0.5, M=4 clients, 3 rounds"):
         assert needle in text
-    assert tune.preset_overrides(whole / "presets" / "digits_fedavg.yaml") == [f"optim.lr={best_values['optim.lr']}"]
+    assert tune.preset_overrides(whole / "presets" / "digits_fedavg.yaml") == [f"optim.lr={chosen['optim.lr']}"]
     # the same folder with other settings is refused, not mixed
     with pytest.raises(TuneError, match="other settings"):
         tune.main(argv(whole, 5, "--val-fraction", "0.3"), command=command)
@@ -164,25 +175,25 @@ def test_an_interrupted_trial_runs_again_with_its_values_and_a_failed_one_stops_
     command, log = fake
     out = tmp_path / "out"
     assert tune.main(argv(out, 2), command=command) == 0
-    study = optuna.load_study(study_name="digits_fedavg", storage=f"sqlite:///{out / 'fedavg' / 'study.db'}")
+    study = load(out)
     stale = study.ask()
     stale.suggest_float("optim.lr", 0.03, 0.6, log=True)  # left running, as by a killed tune
     lost = stale.params["optim.lr"]
     (out / "fedavg" / f"trial{stale.number:03d}").mkdir()
     assert tune.main(argv(out, 3), command=command) == 0
-    redone = trial_values(out)[-1][0]["optim.lr"]
+    redone = trial_values(out)[-2][0]["optim.lr"]
     assert redone == float(f"{lost:.3g}") and not (out / "fedavg" / f"trial{stale.number:03d}").exists()
     monkeypatch.setenv("FAKE_FAIL_ABOVE", "0.0")
     with pytest.raises(TuneError, match="(?s)failed; log .*diverged on purpose"):
         tune.main(argv(out, 4), command=command)
-    assert len(trial_values(out)) == 3                               # the finished trials are kept
+    assert len(trial_values(out)) == 3 + 1                           # the finished trials are kept
 
 
 def test_parallel_trials_finish_the_same_budget(tmp_path, fake):
     command, _ = fake
     out = tmp_path / "out"
     assert tune.main(argv(out, 4, algorithms=("fedavg", "local"), jobs=2), command=command) == 0
-    assert len(trial_values(out, "fedavg")) == len(trial_values(out, "local")) == 4
+    assert len(trial_values(out, "fedavg")) == len(trial_values(out, "local")) == 4 + 1
     assert "| fedavg |" in (out / "tune.md").read_text() and "| local |" in (out / "tune.md").read_text()
 
 

@@ -325,8 +325,12 @@ def score(results: dict[str, Any], objective: str) -> float:
     return sum(accs) / len(accs)
 
 
-def run_trial(plan: Plan, number: int, values: dict[str, Any], command: Sequence[str]) -> tuple[float, float, float]:
-    """Train one trial (one run per tuning seed, in turn).
+def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[str]) -> tuple[float, float, float]:
+    """Train one trial (one run per tuning seed, in turn) into ``<out>/<algorithm>/<name>``.
+
+    Args:
+        name: ``trial<NNN>`` (Optuna's trial number) or ``defaults`` (the config defaults).
+        values: the searched keys' values (none: the config defaults).
 
     Returns:
         (score: mean over seeds, wall seconds, CPU seconds).
@@ -335,8 +339,8 @@ def run_trial(plan: Plan, number: int, values: dict[str, Any], command: Sequence
     """
     scores, wall, cpu = [], 0.0, 0.0
     for seed in plan.seeds:
-        run_dir = plan.dir / f"trial{number:03d}" / f"seed{seed}"
-        log_path = plan.out / "logs" / f"{plan.algorithm}_trial{number:03d}_seed{seed}.log"
+        run_dir = plan.dir / name / f"seed{seed}"
+        log_path = plan.out / "logs" / f"{plan.algorithm}_{name}_seed{seed}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(run_dir, ignore_errors=True)  # a run interrupted earlier starts afresh
         argv = [*command, *plan.trial_overrides(values, seed, run_dir)]
@@ -356,7 +360,8 @@ def run_trial(plan: Plan, number: int, values: dict[str, Any], command: Sequence
         results_path = run_dir / "results.json"
         if os.waitstatus_to_exitcode(status) != 0 or not results_path.exists():
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-            raise TuneError(f"{plan.algorithm} trial {number} (seed {seed}, {values}) failed; log {log_path}:\n{tail}")
+            raise TuneError(f"{plan.algorithm} {name} (seed {seed}, {values or 'config defaults'}) failed; "
+                            f"log {log_path}:\n{tail}")
         scores.append(score(json.loads(results_path.read_text()), plan.objective))
     return sum(scores) / len(scores), wall, cpu
 
@@ -402,9 +407,26 @@ def _requeue_interrupted(study, plan: Plan, echo) -> None:
 
 
 def completed(study) -> list:
+    """The study's finished trials (the sampled ones; the defaults are a study attribute)."""
     from optuna.trial import TrialState
 
     return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+
+
+def default_values(plan: Plan) -> dict[str, Any]:
+    """The searched keys' values in the method's own config (what a run without a preset uses)."""
+    from omegaconf import OmegaConf
+
+    return {d.key: OmegaConf.select(plan.cfg, d.key) for d in plan.space}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The preset's values: the best sampled trial, or the config defaults when they score higher."""
+
+    value: float
+    values: dict[str, Any]
+    label: str  # "trial 7" or "the config defaults"
 
 
 def tune_algorithm(plan: Plan, command: Sequence[str] = TRAIN_COMMAND, echo: Callable[[str], None] = _echo):
@@ -418,33 +440,47 @@ def tune_algorithm(plan: Plan, command: Sequence[str] = TRAIN_COMMAND, echo: Cal
 
     study = open_study(plan)
     _requeue_interrupted(study, plan, echo)
-    while (done := len(completed(study))) < plan.trials:
+    while True:
+        done = len(completed(study))
         batch = min(plan.jobs, plan.trials - done)
-        with warnings.catch_warnings():  # multivariate and constant_liar are flagged experimental
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            study.sampler = optuna.samplers.TPESampler(
-                seed=derive_seed(plan.sampler_seed, "tune", plan.dataset, plan.algorithm, done) % 2**32,
-                n_startup_trials=plan.startup, multivariate=True, constant_liar=batch > 1)
-        asked = []
-        for _ in range(batch):
-            trial = study.ask()
-            values = {d.key: d.suggest(trial) for d in plan.space}
-            trial.set_user_attr("values", values)
-            asked.append((trial, values))
+        with_defaults = "defaults" not in study.user_attrs and batch < plan.jobs
+        if batch <= 0 and not with_defaults:
+            break
+        asked: list[tuple[Any, dict[str, Any]]] = []
+        if batch > 0:
+            with warnings.catch_warnings():  # multivariate and constant_liar are flagged experimental
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                study.sampler = optuna.samplers.TPESampler(
+                    seed=derive_seed(plan.sampler_seed, "tune", plan.dataset, plan.algorithm, done) % 2**32,
+                    n_startup_trials=plan.startup, multivariate=True, constant_liar=batch > 1)
+            for _ in range(batch):
+                trial = study.ask()
+                values = {d.key: d.suggest(trial) for d in plan.space}
+                trial.set_user_attr("values", values)
+                asked.append((trial, values))
+        if with_defaults:  # the method's own defaults, once, in the room left by the last batch
+            asked.append((None, {}))
 
         def one(item):
             trial, values = item
-            return run_trial(plan, trial.number, values, command)
+            return run_trial(plan, "defaults" if trial is None else f"trial{trial.number:03d}", values, command)
 
-        with ThreadPoolExecutor(max_workers=batch) as pool:
+        with ThreadPoolExecutor(max_workers=len(asked)) as pool:
             futures = [pool.submit(one, item) for item in asked]
             errors = []
             for (trial, values), future in zip(asked, futures):
                 try:
                     value, wall, cpu = future.result()
                 except TuneError as err:
-                    study.tell(trial, state=TrialState.FAIL)
+                    if trial is not None:
+                        study.tell(trial, state=TrialState.FAIL)
                     errors.append(err)
+                    continue
+                if trial is None:
+                    values = default_values(plan)
+                    study.set_user_attr("defaults", {"value": value, "values": values, "wall_s": wall, "cpu_s": cpu})
+                    echo(f"  {plan.algorithm} config defaults: {_fmt_values(values)} -> validation acc {value:.4f} "
+                         f"({wall:.0f} s wall, {cpu:.0f} s CPU)")
                     continue
                 trial.set_user_attr("wall_s", wall)
                 trial.set_user_attr("cpu_s", cpu)
@@ -460,6 +496,22 @@ def best_trial(study):
     """The finished trial with the highest score (the lowest trial number on a tie)."""
     trials = completed(study)
     return max(trials, key=lambda t: (t.value, -t.number))
+
+
+def choice(study) -> Choice:
+    """What the preset holds: the best sampled trial, or the config defaults when they score
+    strictly higher on validation (so a preset never scores below the defaults it replaces)."""
+    best = best_trial(study)
+    defaults = study.user_attrs.get("defaults")
+    if defaults is not None and defaults["value"] > best.value:
+        return Choice(float(defaults["value"]), dict(defaults["values"]), "the config defaults")
+    return Choice(float(best.value), dict(best.user_attrs["values"]), f"trial {best.number}")
+
+
+def tuning_seconds(study) -> float:
+    """Wall seconds of every finished trial and of the defaults run, summed."""
+    defaults = study.user_attrs.get("defaults") or {}
+    return sum(t.user_attrs.get("wall_s", 0.0) for t in completed(study)) + float(defaults.get("wall_s", 0.0))
 
 
 def _fmt_values(values: dict[str, Any]) -> str:
@@ -485,10 +537,10 @@ def preset_text(plan: Plan, study, command: str) -> str:
     comments, then the chosen values."""
     import yaml
 
-    best = best_trial(study)
-    values = best.user_attrs["values"]
+    best = choice(study)
+    values = best.values
     trials = completed(study)
-    wall = sum(t.user_attrs.get("wall_s", 0.0) for t in trials)
+    wall = tuning_seconds(study)
     header = [
         "# @package _global_",
         f"# Tuned preset: dataset={plan.dataset} x algorithm={plan.algorithm}, written by make tune "
@@ -497,19 +549,24 @@ def preset_text(plan: Plan, study, command: str) -> str:
         f"# tuned for: {describe_setup(plan.cfg)}",
         f"# extra overrides: {' '.join(plan.extra) or '(none)'}",
         "# search space: " + "; ".join(d.describe() for d in plan.space),
-        f"# trials: {len(trials)} (the same for every method), Optuna TPE sampler seeded from {plan.sampler_seed}, "
-        f"{plan.startup} random start-up trials, {plan.jobs} at a time",
+        f"# trials: {len(trials)} sampled (the same for every method) + the method's config defaults, Optuna TPE "
+        f"sampler seeded from {plan.sampler_seed}, {plan.startup} random start-up trials, {plan.jobs} at a time",
         f"# objective: client-mean accuracy on the validation split (partition.val_fraction={plan.val_fraction} of "
         f"each client's train split, never trained on; eval.split=val: the test split is never read), "
         + ("mean of the last 3 evaluations" if plan.objective == "last3" else "final round")
         + f", mean over seeds {' '.join(map(str, plan.seeds))}",
-        f"# best validation score: {best.value:.4f} (trial {best.number}); trials' wall time, summed: {wall / 60:.1f} min",
+        f"# best validation score: {best.value:.4f} ({best.label}); the config defaults scored "
+        f"{_fmt_score(study.user_attrs.get('defaults'))}; trials' wall time, summed: {wall / 60:.1f} min",
         f"# made by: {os.environ.get('FEDFEW_TUNE_MADE_BY') or 'python -m fedfew.tune'} on "
         f"{datetime.date.today().isoformat()}",
         f"# command: {command}",
     ]
     body = yaml.safe_dump(nest(values), sort_keys=False, default_flow_style=False)
     return "\n".join(header) + "\n" + body
+
+
+def _fmt_score(defaults: dict[str, Any] | None) -> str:
+    return "(not run)" if not defaults else f"{float(defaults['value']):.4f}"
 
 
 def setup_changing(extra: Sequence[str]) -> list[str]:
@@ -646,7 +703,7 @@ def main(argv: Sequence[str] | None = None, command: Sequence[str] = TRAIN_COMMA
         echo(f"{plan.algorithm}: {plan.trials} trials on {describe_setup(plan.cfg)}; search "
              + "; ".join(d.describe() for d in plan.space))
         study = tune_algorithm(plan, command, echo)
-        best = best_trial(study)
+        best = choice(study)
         text = preset_text(plan, study, command_line)
         name = f"{plan.dataset}_{plan.algorithm}.yaml"
         atomic_write_text(out / "presets" / name, text)
@@ -654,13 +711,14 @@ def main(argv: Sequence[str] | None = None, command: Sequence[str] = TRAIN_COMMA
         if install:
             atomic_write_text(TUNED_DIR / name, text)
             written.append(TUNED_DIR / name)
-        wall = sum(t.user_attrs.get("wall_s", 0.0) for t in completed(study))
-        lines.append(f"| {plan.algorithm} | {best.value:.4f} | {_fmt_values(best.user_attrs['values'])} | "
-                     f"{len(completed(study))} | {wall / 60:.1f} |")
-        echo(f"{plan.algorithm}: best validation acc {best.value:.4f} with {_fmt_values(best.user_attrs['values'])} "
-             f"(trial {best.number}) -> {', '.join(map(str, written))}")
+        wall = tuning_seconds(study)
+        lines.append(f"| {plan.algorithm} | {best.value:.4f} ({best.label}) | {_fmt_values(best.values)} | "
+                     f"{_fmt_score(study.user_attrs.get('defaults'))} | {len(completed(study))} | {wall / 60:.1f} |")
+        echo(f"{plan.algorithm}: best validation acc {best.value:.4f} with {_fmt_values(best.values)} "
+             f"({best.label}) -> {', '.join(map(str, written))}")
     table = ["# tune: " + args.dataset, "", f"command: `{command_line}`", "",
-             "| algorithm | best validation acc | values | trials | trials' wall time, summed (min) |", "|---|---|---|---|---|",
+             "| algorithm | best validation acc | values | config defaults' validation acc | sampled trials | "
+             "trials' wall time, summed (min) |", "|---|---|---|---|---|---|",
              *lines, "", f"total wall time of this invocation: {(time.perf_counter() - start) / 60:.1f} min"]
     atomic_write_text(out / "tune.md", "\n".join(table) + "\n")
     if not install:

@@ -45,11 +45,26 @@ def test_duplicate_pair_by_hand():
     assert [r.reason(k) for k in range(3)] == [None, "duplicate", None]
 
 
-def test_gap_just_over_mu_is_not_a_duplicate():
-    """The same clients with models 0 and 1 0.6 nats apart on client 1 (> mu = 0.5)."""
-    L = torch.tensor([[0.1, 0.2, 3.0], [0.8, 0.2, 3.0], [3.0, 3.0, 0.1]], dtype=torch.float64)
+def test_gap_over_mu_is_not_a_duplicate_when_the_next_model_is_close():
+    """Models 0 and 1 are 0.6 nats apart on client 1 (> mu = 0.5), and model 2 is only 0.2
+    nats behind the pair there (half of it, 0.1, is below mu): not a duplicate."""
+    L = torch.tensor([[0.1, 0.2, 1.0], [0.8, 0.2, 1.0], [3.0, 3.0, 0.1]], dtype=torch.float64)
     r = redundant_models(L, _w(L, 0.5), 0.5)
     assert r.duplicate_of.tolist() == [-1, -1, -1] and not bool(r.unserved.any())
+
+
+def test_a_pair_far_from_every_other_model_is_a_duplicate_beyond_mu():
+    """A small mu (0.05): models 0 and 1 serve clients 0-2 (one of them fits client 0 better by
+    0.3 nats, > mu), model 2 serves client 3 and is 2.5+ nats worse on clients 0-2. Each of the
+    pair's clients has its two losses closer than half the margin to the next model
+    (0.3 <= (3.0 - 0.4) / 2): a duplicate. Model 1 is the best of 2 clients, model 0 of 1, so
+    model 0 is the one to retire."""
+    L = torch.tensor([[0.1, 0.4, 3.0], [0.3, 0.2, 3.1], [0.35, 0.25, 2.9], [3.0, 3.0, 0.2]], dtype=torch.float64)
+    r = redundant_models(L, _w(L, 0.05), 0.05)
+    assert r.duplicate_of.tolist() == [1, -1, -1]
+    assert float(r.gap[0]) == pytest.approx(0.3)
+    L[0, 2] = 0.8  # model 2 now 0.4 behind the pair on client 0: half of it, 0.2, is below the gap 0.3
+    assert redundant_models(L, _w(L, 0.05), 0.05).duplicate_of.tolist() == [-1, -1, -1]
 
 
 def test_unserved_is_relative_to_mu():

@@ -10,13 +10,19 @@ mu * (log M + log K)). A model is **redundant** in a round when
 - **unserved**: it is no client's near-best model, i.e. for every client i,
   L'_ik > min_j L'_ij + mu (so w_ik < w_i,best / e); or
 - **duplicate** of another model k': take the clients whose best model (argmax_k w_ik) is k or
-  k'. For every one of them the two losses are within mu, |L'_ik - L'_ik'| <= mu (their w split
-  lies within [1/(1+e), e/(1+e)] = [0.27, 0.73]), and the pair holds the majority of the
-  client's weight, w_ik + w_ik' > 1/2. The second condition is what tells a settled duplicate
-  from a model set that has not separated yet: in the first rounds every loss is within mu of
-  every other, but the weight is spread over all K models, so no pair holds a majority. Of the
-  two, the model that is the best of fewer of those clients is the duplicate (ties: the
-  smaller soft client count sum_i w_ik, then the later model id).
+  k'. For every one of them the two losses are close,
+
+      |L'_ik - L'_ik'| <= max(mu, (min_{j not k, k'} L'_ij - max(L'_ik, L'_ik')) / 2),
+
+  i.e. within mu (their w split lies within [1/(1+e), e/(1+e)] = [0.27, 0.73]) or within half
+  the margin from the pair to the next model (the pair sits together, far from every other
+  model: two models that split one group's clients and drift apart by more than a small mu
+  still count), and the pair holds the majority of the client's weight, w_ik + w_ik' > 1/2.
+  The majority condition is what tells a settled duplicate from a model set that has not
+  separated yet: in the first rounds every loss is within mu of every other, but the weight is
+  spread over all K models, so no pair holds a majority. Of the two, the model that is the best
+  of fewer of those clients is the duplicate (ties: the smaller soft client count sum_i w_ik,
+  then the later model id). With K = 2 there is no next model: within mu only.
 
 Under the normalised server step (``normalize=true``) such models never die by themselves: a
 starved model still moves towards the weighted mean of its nearest clients, and two duplicates
@@ -50,7 +56,7 @@ class Redundancy:
         unserved: (K,) bool, no client has the model within mu of its best loss.
         duplicate_of: (K,) int64, the position of the model it duplicates, -1 if none.
         gap: (K,) float64, for a duplicate: max over the pair's clients of |L'_ik - L'_ik'|
-            (nats); NaN otherwise.
+            (nats; <= mu, or <= half the margin to the next model); NaN otherwise.
         pair_weight: (K,) float64, for a duplicate: min over the pair's clients of
             w_ik + w_ik'; NaN otherwise.
         served: (K,) int64, clients whose best model (argmax_k w_ik) it is.
@@ -107,9 +113,15 @@ def redundant_models(losses: torch.Tensor, w: torch.Tensor, mu: float) -> Redund
             clients = (best == k) | (best == j)
             if not bool(clients.any()):
                 continue
-            pair_gap = float((L[clients, k] - L[clients, j]).abs().max())
+            gaps = (L[clients, k] - L[clients, j]).abs()
+            tolerance = torch.full_like(gaps, mu)
+            if K > 2:  # or half the margin from the pair to the next model, when that is wider
+                others = [m for m in range(K) if m not in (k, j)]
+                margin = L[clients][:, others].min(dim=1).values - torch.maximum(L[clients, k], L[clients, j])
+                tolerance = torch.maximum(tolerance, margin / 2)
+            pair_gap = float(gaps.max())
             weight = float((w[clients, k] + w[clients, j]).min())
-            if pair_gap > mu or weight <= 0.5:
+            if bool((gaps > tolerance).any()) or weight <= 0.5:
                 continue
             # the lesser of the two: best of fewer of the pair's clients, then fewer soft clients, then the later one
             key_k = (int((best[clients] == k).sum()), float(soft[k]), -k)
@@ -139,7 +151,8 @@ class ModelSetChange:
     def text(self) -> str:
         """One line for metrics.csv, the console and W&B."""
         if self.reason == "duplicate":
-            why = (f"duplicate of model {self.partner}: its clients' losses within {self.gap:.3g} <= mu = {self.mu:.3g}, "
+            close = "<= mu" if self.gap <= self.mu else "> mu but within half the margin to the next model"
+            why = (f"duplicate of model {self.partner}: its clients' losses within {self.gap:.3g} ({close} = {self.mu:.3g}), "
                    f"the pair holding >= {self.pair_weight:.2f} of each one's weight")
         else:
             why = f"unserved: no client has it within mu = {self.mu:.3g} of its best loss"

@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from fedfew import tune
 from fedfew.algorithms import ALGORITHMS
@@ -195,6 +196,32 @@ def test_parallel_trials_finish_the_same_budget(tmp_path, fake):
     assert tune.main(argv(out, 4, algorithms=("fedavg", "local"), jobs=2), command=command) == 0
     assert len(trial_values(out, "fedavg")) == len(trial_values(out, "local")) == 4 + 1
     assert "| fedavg |" in (out / "tune.md").read_text() and "| local |" in (out / "tune.md").read_text()
+
+
+def test_installed_presets_apply_and_record_their_provenance():
+    presets = sorted(tune.TUNED_DIR.glob("*.yaml"))
+    assert presets, "conf/tuned holds the presets of make tune"
+    for path in presets:
+        text = path.read_text()
+        for needle in ("# search space:", "# trials:", "# made by:", "# command:", "# best validation score:",
+                       "# tuned for:"):
+            assert needle in text, f"{path.name} lacks {needle!r}"
+        dataset, algorithm = path.stem.split("_", 1)
+        cfg = compose_config(f"dataset={dataset}", f"algorithm={algorithm}")
+        plain = compose_config(f"dataset={dataset}", f"algorithm={algorithm}", "~tuned")
+        for override in tune.preset_overrides(path):               # optim.lr included: the preset comes after _self_
+            key, value = override.split("=", 1)
+            assert _same(OmegaConf.select(cfg, key), value), f"{path.name}: {key} is not {value}"
+        if "optim.lr" in dict(o.split("=", 1) for o in tune.preset_overrides(path)):
+            assert plain.optim.lr == plain.dataset.lr                # ~tuned: the config without the preset
+
+
+def _same(configured, text: str) -> bool:
+    if isinstance(configured, (int, float)) and not isinstance(configured, bool):
+        return float(configured) == float(text)
+    return str(configured).lower() == text.lower()
+
+
 
 
 SHUFFLE_TEST_LABELS = '''

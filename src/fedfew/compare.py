@@ -149,7 +149,7 @@ def preset_score(path: str) -> str:
         return ""
     for line in Path(path).read_text().splitlines():
         if line.startswith("# best validation score:"):
-            return line.split(":", 1)[1].strip()
+            return line.split(":", 1)[1].split(";")[0].strip()
     return ""
 
 
@@ -558,18 +558,17 @@ def ranking_note(rows: Sequence[dict[str, Any]], reference: str | None) -> str |
     place = names.index(reference)
 
     def gap(row: dict[str, Any]) -> str:
-        """The paired difference row - reference over seeds, and whether it is within one std."""
+        """``name acc (paired row - reference: mean ± std over seeds[, within one std])``."""
         d, sd = row.get("diff_acc_mean"), row.get("diff_acc_mean_std")
+        text = f"{row['algorithm']} {row['acc_mean']:.4f}"
         if d is None or sd is None or math.isnan(sd):
-            return ""
-        return f"; paired {row['algorithm']} - {reference}: {d:+.4f} ± {sd:.4f}" + (" (within one std)" if abs(d) <= sd else "")
+            return text
+        return text + f" (paired - {reference}: {d:+.4f} ± {sd:.4f}" + (", within one std)" if abs(d) <= sd else ")")
 
     if place == 0:
-        return (f"{reference} is first on client-mean accuracy ({ranked[0]['acc_mean']:.4f}; next: "
-                f"{ranked[1]['algorithm']} {ranked[1]['acc_mean']:.4f}{gap(ranked[1])})")
-    ahead = ", ".join(f"{r['algorithm']} {r['acc_mean']:.4f}" for r in ranked[:place])
+        return f"{reference} is first on client-mean accuracy ({ranked[0]['acc_mean']:.4f}; next: {gap(ranked[1])})"
     return (f"**{reference} is not first**: it ranks {place + 1} of {len(names)} on client-mean accuracy "
-            f"({ranked[place]['acc_mean']:.4f}); ahead of it: {ahead}{gap(ranked[0])}")
+            f"({ranked[place]['acc_mean']:.4f}); ahead of it: {', '.join(gap(r) for r in ranked[:place])}")
 
 
 def write_tables(out: Path, rows: Sequence[dict[str, Any]], title: str, notes: Sequence[str] = ()) -> None:

@@ -54,8 +54,14 @@ def _real_data_dir_fixture(request: pytest.FixtureRequest) -> Path:
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
-def compose_config(*overrides: str):
-    """The run config as ``python -m fedfew.train <overrides>`` would see it (no run dir)."""
+def compose_config(*overrides: str, tuned: bool = False):
+    """The run config as ``python -m fedfew.train <overrides>`` would see it (no run dir).
+
+    Without ``tuned=True`` the per-(dataset, algorithm) preset of ``conf/tuned/`` is left out
+    (``~tuned``), so a test's hand computation depends on the config defaults and its own
+    overrides only, not on whatever ``make tune`` last installed."""
+    if not tuned and not any(o.lstrip("+~").startswith("tuned") for o in overrides):
+        overrides = ("~tuned", *overrides)
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 

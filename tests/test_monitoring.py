@@ -82,8 +82,11 @@ def test_wandb_offline_logs_alpha_w_every_round(tmp_path):
         assert [logged[f"alpha/client_{i}"] for i in range(M)] == alpha
         assert logged["train/g"] == rec["g"]
         assert math.isclose(logged["alpha/max"], max(alpha), rel_tol=1e-12)
-        step_k = np.sum(np.array(alpha)[:, None] * np.array(w), axis=0)
-        assert np.allclose([logged[f"effective_step/{k}"] for k in range(K)], step_k, atol=1e-12)
+        share_k = np.sum(np.array(alpha)[:, None] * np.array(w), axis=0)  # sum_i alpha_i w_ik
+        assert np.allclose([logged[f"weight_share/{k}"] for k in range(K)], share_k, atol=1e-12)
+        # the default (normalised) server step: every model with any weight takes a full server_lr step
+        server_lr = results["config"]["algorithm"]["server_lr"]
+        assert [logged[f"effective_step/{k}"] for k in range(K)] == [server_lr * float(s > 0) for s in share_k]
         assert [logged[f"clients_served/{k}"] for k in range(K)] == np.bincount(rec["assignment"], minlength=K).tolist()
         assert logged["train/lr"] == results["config"]["optim"]["lr"] and logged["train/round_time_s"] > 0
         # images and histograms are W&B media

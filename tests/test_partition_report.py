@@ -17,7 +17,7 @@ from rich.console import Console
 from conftest import compose_config
 from fedfew.data.federated import build_federated_data, partition_seed
 from fedfew.data.partition import partition_summary
-from fedfew.partition_report import PartitionReport
+from fedfew.partition_report import PartitionReport, partition_title
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,6 +34,20 @@ def _run(sim, run_dir: Path) -> str:
     report.on_fit_start(sim)
     report.on_fit_end(sim, results={})  # the heatmap is drawn beside round 1; fit end waits for it
     return buf.getvalue()
+
+
+def test_title_names_the_keys_that_shaped_the_partition():
+    def title(name, **keys):
+        part = {"name": name, "alpha": 0.3, "classes_per_client": 2, "groups": 4, "group_transform": "rotate",
+                "group_data": "split", "within": "iid", **keys}
+        return partition_title({"dataset": "digits", "partition": part, "num_clients": 8})
+
+    assert title("iid") == "partition: digits, iid, 8 clients"
+    assert title("dirichlet") == "partition: digits, dirichlet (alpha=0.3), 8 clients"
+    assert title("pathological") == "partition: digits, pathological (classes_per_client=2), 8 clients"
+    assert title("clustered", within="pathological", group_transform="permute_labels", group_data="replicate") == (
+        "partition: digits, clustered (4 groups, permute_labels, replicate; within pathological "
+        "(classes_per_client=2)), 8 clients")
 
 
 def test_json_png_and_table(tmp_path):
@@ -125,5 +139,6 @@ def test_cli_run_writes_partition_files(tmp_path):
     results = json.loads((run_dir / "results.json").read_text())
     assert report["partition_hash"] == results["partition_hash"] and report["num_clients"] == 4
     assert (run_dir / "partition.png").stat().st_size > 0
-    assert "partition: digits, dirichlet (alpha=0.5), 4 clients" in proc.stdout
+    # digits defaults to the clustered partition (conf/dataset/digits.yaml); its title names the groups
+    assert "partition: digits, clustered (4 groups, rotate, split; within iid), 4 clients\n" in proc.stdout
     assert proc.stdout.index("partition: digits") < proc.stdout.index("personalized test accuracy per client")

@@ -38,12 +38,14 @@ def test_nonfinite_client_is_excluded_with_a_warning(tmp_path, cpu_fabric):
     with pytest.warns(UserWarning, match="client 2 has a non-finite loss"):
         logs = sim.run_round(1)
     assert logs["excluded"] == [2]
-    assert float(logs["alpha"][2]) == 0.0 and torch.equal(logs["w"][2], torch.zeros(3, dtype=torch.float64))
+    K = sim.module.K
+    assert float(logs["alpha"][2]) == 0.0 and torch.equal(logs["w"][2], torch.zeros(K, dtype=torch.float64))
     assert float(logs["alpha"].sum()) == pytest.approx(1.0)
     # the others' weights are STCH-Set over the five finite clients
     keep = [0, 1, 3, 4, 5]
     n = sim.num_train.double()
-    scaled = logs["loss"][keep] * (n[keep] / n.sum())[:, None]
+    # mu_scale=relative: losses weighted by n_i / mean n over the round's participants (all six)
+    scaled = logs["loss"][keep] * (n[keep] / n.mean())[:, None]
     ref = stch_set(scaled, 0.5)
     torch.testing.assert_close(logs["alpha"][keep], ref.alpha)
     assert all(bool(torch.isfinite(v).all()) for v in flat(sim.module.models))

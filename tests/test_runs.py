@@ -65,7 +65,7 @@ def test_end_of_run_prints_headline_figures_speeds_and_where(tmp_path, capsys, m
     i = out.index("client-mean acc 0.7500 ± 0.2500 (min 0.5000, max 1.0000); sample-weighted 0.7500; "
                   "majority-label baseline 0.5000")
     assert out[i + 1:i + 5] == [
-        "clients per model [1, 1]",
+        "models serving clients: 2 of 2 (clients per model [1, 1])",
         "speed: wall 0.25 s/round (training, evaluation, logging); train 0.12 s/round (local training and aggregation)",
         "run folder: run",
         "  notebook: python -m fedfew.notebook run   (writes analysis.html there)",

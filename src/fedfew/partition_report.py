@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from fedfew.io import atomic_write_bytes, atomic_write_json
 
-__all__ = ["PartitionReport", "build_report", "partition_line", "partition_table", "write_heatmap"]
+__all__ = ["PartitionReport", "build_report", "partition_line", "partition_table", "partition_title", "write_heatmap"]
 
 
 def build_report(sim) -> dict[str, Any]:
@@ -111,10 +111,7 @@ def partition_table(report: dict[str, Any], max_rows: int = 20):
 
     clients = report["clients"]
     has_val = any(c["n_val"] for c in clients)
-    p = report["partition"]
-    detail = ", ".join(f"{k}={p[k]}" for k in ("alpha", "classes_per_client") if p.get(k) is not None)
-    table = Table(title=f"partition: {report['dataset']}, {p.get('name')}{f' ({detail})' if detail else ''}, "
-                        f"{report['num_clients']} clients", title_justify="left")
+    table = Table()
     for col in ("client", "train", "test", *(("val",) if has_val else ()), "labels", "top labels (label:count)"):
         table.add_column(col, justify="left" if col.startswith("top") else "right")
     if len(clients) > max_rows:
@@ -130,6 +127,23 @@ def partition_table(report: dict[str, Any], max_rows: int = 20):
         table.add_row(str(c["id"]), str(c["n_train"]), str(c["n_test"]), *((str(c["n_val"]),) if has_val else ()),
                       str(n_labels), _top_labels(c["label_counts"]))
     return table
+
+
+def partition_title(report: dict[str, Any]) -> str:
+    """One line naming the dataset, the scheme with the keys that shaped it, and M, e.g.
+    ``partition: digits, dirichlet (alpha=0.5), 20 clients`` or ``partition: digits, clustered
+    (4 groups, rotate, split; within iid), 20 clients``."""
+    p = report["partition"]
+    name = p.get("name")
+    label_keys = {"dirichlet": ("alpha",), "pathological": ("classes_per_client",)}
+    if name == "clustered":
+        within = p.get("within", "iid")
+        inner = ", ".join(f"{k}={p[k]}" for k in label_keys.get(within, ()) if p.get(k) is not None)
+        detail = (f"{p.get('groups')} groups, {p.get('group_transform')}, {p.get('group_data')}; "
+                  f"within {within}{f' ({inner})' if inner else ''}")
+    else:
+        detail = ", ".join(f"{k}={p[k]}" for k in label_keys.get(name, ()) if p.get(k) is not None)
+    return f"partition: {report['dataset']}, {name}{f' ({detail})' if detail else ''}, {report['num_clients']} clients"
 
 
 def partition_line(report: dict[str, Any]) -> str:
@@ -184,6 +198,7 @@ class PartitionReport:
         from rich.console import Console
 
         console = self.console or Console(width=120)
+        console.print(partition_title(self.report), soft_wrap=True)
         console.print(partition_table(self.report, self.max_rows))
         console.print(partition_line(self.report))
         console.print(f"partition summary: {self.run_dir / 'partition.json'}, heatmap: {png}")

@@ -102,13 +102,14 @@ def metric_rows(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_signal_checkpoint_and_resume_equal_uninterrupted_run(tmp_path):
-    common = ["rounds=6", "local_epochs=15", "num_clients=10", "save_models=true", "logger=none", "eval_every=2"]
-    full = tmp_path / "full"
-    proc = train(f"hydra.run.dir={full}", *common)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    common = ["rounds=6", "local_epochs=15", "num_clients=10", "save_models=true", "logger=none", "eval_every=2",
+              "trainer.threads=1"]
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    full = tmp_path / "full"  # the uninterrupted run, beside the one that is stopped (one thread each)
+    full_run = subprocess.Popen([sys.executable, "-m", "fedfew.train", f"hydra.run.dir={full}", *common], cwd=ROOT,
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     part = tmp_path / "part"
-    env = {**os.environ, "WANDB_MODE": "disabled"}
     child = subprocess.Popen([sys.executable, "-m", "fedfew.train", f"hydra.run.dir={part}", *common], cwd=ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
@@ -126,6 +127,8 @@ def test_signal_checkpoint_and_resume_equal_uninterrupted_run(tmp_path):
 
     proc = train(f"hydra.run.dir={part}", *common, "resume=auto")
     assert proc.returncode == 0, proc.stderr[-2000:]
+    _, full_err = full_run.communicate(timeout=300)
+    assert full_run.returncode == 0, full_err[-2000:]
     a = json.loads((full / "results.json").read_text())
     b = json.loads((part / "results.json").read_text())
     for key in ("loss", "alpha", "w", "clients", "evaluations"):

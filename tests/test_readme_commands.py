@@ -61,9 +61,10 @@ CHEAP: dict[str, tuple[list[str], str]] = {
     "make runs": (["ROOT={run}/.."], "fedfew"),
     "make notebook 'RUN=outputs/digits/fedfew/<run>'": (["RUN={run}"], "analysis.html"),
     ".venv/bin/python -m fedfew.plots 'outputs/digits/fedfew/<run>'": ([], "plots"),
-    "make train ARGS=logger=wandb": ([f"ARGS=rounds=1 num_clients=4 hydra.run.dir={{tmp}}/r"], "wandb sync"),
+    "make train ARGS=logger=wandb": (
+        [f"ARGS=rounds=1 num_clients=4 trainer.threads=1 hydra.run.dir={{tmp}}/r"], "wandb sync"),
     "make train DATASET=agnews DATA_DIR=../shared/data": (
-        ["DATA_DIR={data}", "ARGS=rounds=1 num_clients=200 participation=0.01 logger=none trainer.threads=1 "
+        ["DATA_DIR={data}", "ARGS=rounds=1 participation=0.1 logger=none trainer.threads=1 "  # M = 20 (the preset), 2 clients train
                             "hydra.run.dir={tmp}/r"], "client-mean acc"),
     "make train 'ARGS=algorithm.K=5 algorithm.mu=0.05 rounds=100 seed=1'": (
         ["ARGS=rounds=1 num_clients=6 logger=none trainer.threads=1 hydra.run.dir={tmp}/r"], "client-mean acc"),  # K <= M

@@ -162,7 +162,7 @@ def test_study_is_reproducible_resumes_and_writes_a_preset(tmp_path, fake):
     for needle in ("# @package _global_", "# search space: optim.lr log-uniform [0.03, 0.6]",
                    "# trials: 5 sampled", "# made by:", "# command: python -m fedfew.tune",
                    f"# best validation score: {score:.4f}", f"the config defaults scored {defaults:.4f}",
-                   "partition.val_fraction=0.2", "never read", "# tuned for: digits, dirichlet alpha=0.5, M=4 clients, 3 rounds"):
+                   "partition.val_fraction=0.2", "never read", "# tuned for: digits, dirichlet (alpha=0.5), M=4 clients, 3 rounds"):
         assert needle in text
     assert tune.preset_overrides(whole / "presets" / "digits_fedavg.yaml") == [f"optim.lr={chosen['optim.lr']}"]
     # the same folder with other settings is refused, not mixed

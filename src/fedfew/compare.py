@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fedfew.io import atomic_write_text
+from fedfew.partition_report import partition_scheme
 
 MAJORITY = "majority label"
 """Name of the reference row: every client predicts the most frequent label of its train split."""
@@ -583,13 +584,7 @@ def describe(rows: Sequence[dict[str, Any]], results: dict[tuple[str, int], dict
     own keys, presets), the ranking, and how to read the columns."""
     cfg = next(iter(results.values()))["config"] if results else {}
     part = cfg.get("partition", {})
-    scheme = part.get("name", "?")
-    if scheme == "dirichlet":
-        scheme += f" alpha={part.get('alpha')}"
-    elif scheme == "pathological":
-        scheme += f" {part.get('classes_per_client')} classes/client"
-    elif scheme == "clustered":
-        scheme += f" {part.get('groups')} groups ({part.get('group_transform')}, {part.get('group_data')})"
+    scheme = partition_scheme(part) if part else "?"
     protocol = next((r.get("protocol") for r in rows if r.get("protocol")), "final")
     title = (f"{dataset}: personalized test accuracy, protocol {protocol}"
              + (" (OPTIMISTIC)" if any(r.get("optimistic") for r in rows) else "")

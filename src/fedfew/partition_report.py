@@ -20,14 +20,14 @@ from __future__ import annotations
 import io
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 from omegaconf import OmegaConf
 
 from fedfew.io import atomic_write_bytes, atomic_write_json
 
-__all__ = ["PartitionReport", "build_report", "partition_line", "partition_table", "partition_title", "write_heatmap"]
+__all__ = ["PartitionReport", "build_report", "partition_line", "partition_scheme", "partition_table", "partition_title", "write_heatmap"]
 
 
 def build_report(sim) -> dict[str, Any]:
@@ -129,21 +129,30 @@ def partition_table(report: dict[str, Any], max_rows: int = 20):
     return table
 
 
+def partition_scheme(partition: Mapping[str, Any]) -> str:
+    """The partition scheme with the keys that shaped it, e.g. ``dirichlet (alpha=0.5)``,
+    ``pathological (classes_per_client=2)`` or ``clustered (4 groups, rotate, split; within iid)``.
+
+    Args:
+        partition: the ``partition`` config group (a dict or DictConfig).
+    """
+    name = partition.get("name")
+    label_keys = {"dirichlet": ("alpha",), "pathological": ("classes_per_client",)}
+    if name == "clustered":
+        within = partition.get("within", "iid")
+        inner = ", ".join(f"{k}={partition[k]}" for k in label_keys.get(within, ()) if partition.get(k) is not None)
+        detail = (f"{partition.get('groups')} groups, {partition.get('group_transform')}, "
+                  f"{partition.get('group_data')}; within {within}{f' ({inner})' if inner else ''}")
+    else:
+        detail = ", ".join(f"{k}={partition[k]}" for k in label_keys.get(name, ()) if partition.get(k) is not None)
+    return f"{name}{f' ({detail})' if detail else ''}"
+
+
 def partition_title(report: dict[str, Any]) -> str:
     """One line naming the dataset, the scheme with the keys that shaped it, and M, e.g.
     ``partition: digits, dirichlet (alpha=0.5), 20 clients`` or ``partition: digits, clustered
     (4 groups, rotate, split; within iid), 20 clients``."""
-    p = report["partition"]
-    name = p.get("name")
-    label_keys = {"dirichlet": ("alpha",), "pathological": ("classes_per_client",)}
-    if name == "clustered":
-        within = p.get("within", "iid")
-        inner = ", ".join(f"{k}={p[k]}" for k in label_keys.get(within, ()) if p.get(k) is not None)
-        detail = (f"{p.get('groups')} groups, {p.get('group_transform')}, {p.get('group_data')}; "
-                  f"within {within}{f' ({inner})' if inner else ''}")
-    else:
-        detail = ", ".join(f"{k}={p[k]}" for k in label_keys.get(name, ()) if p.get(k) is not None)
-    return f"partition: {report['dataset']}, {name}{f' ({detail})' if detail else ''}, {report['num_clients']} clients"
+    return f"partition: {report['dataset']}, {partition_scheme(report['partition'])}, {report['num_clients']} clients"
 
 
 def partition_line(report: dict[str, Any]) -> str:

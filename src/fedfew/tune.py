@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from fedfew.io import atomic_write_text
+from fedfew.partition_report import partition_scheme
 from fedfew.seeding import derive_seed
 
 CONFIG_DIR = Path(__file__).resolve().parent / "conf"
@@ -264,15 +265,7 @@ def _override_value(value: Any) -> str:
 
 def describe_setup(cfg) -> str:
     """The setup a preset is tuned for, in words (partition, clients, rounds, budget)."""
-    part = cfg.partition
-    scheme = str(part.name)
-    if scheme == "dirichlet":
-        scheme += f" alpha={part.alpha}"
-    elif scheme == "pathological":
-        scheme += f" {part.classes_per_client} classes per client"
-    elif scheme == "clustered":
-        scheme += (f" {part.groups} groups ({part.group_transform}, {part.group_data}), within {part.within}")
-    return (f"{cfg.dataset.name}, {scheme}, M={cfg.num_clients} clients, {cfg.rounds} rounds, "
+    return (f"{cfg.dataset.name}, {partition_scheme(cfg.partition)}, M={cfg.num_clients} clients, {cfg.rounds} rounds, "
             f"{cfg.local_epochs} local epoch(s), batch {cfg.dataset.batch_size}, participation {cfg.participation}, "
             f"model {cfg.model.name}")
 

@@ -13,6 +13,7 @@ When the variable is unset or a file is missing, the test is skipped, or fails w
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,26 @@ def cpu_fabric():
     from lightning.fabric import Fabric
 
     return Fabric(accelerator="cpu", devices=1)
+
+
+def make_argv(*words: str) -> list[str]:
+    """``make <words>`` run with this interpreter's environment and never reinstalling it
+    (``-o``: the install stamp counts as up to date; ``BIN``/``VENV`` point at this venv)."""
+    venv = Path(sys.executable).parent.parent
+    return ["make", "--no-print-directory", "-o", f"{venv}/.installed", f"BIN={venv}/bin", f"VENV={venv}", *words]
+
+
+FAKE_JOB_ID = "4242"
+
+
+@pytest.fixture
+def fake_sbatch(tmp_path) -> Path:
+    """``<tmp>/bin/sbatch``, first on PATH for this test: it appends its arguments to
+    ``<tmp>/sbatch-calls`` (returned; absent while it was never called) and answers like
+    ``sbatch --parsable`` with job id :data:`FAKE_JOB_ID`, so no Slurm cluster is needed."""
+    calls = tmp_path / "sbatch-calls"
+    sbatch = tmp_path / "bin" / "sbatch"
+    sbatch.parent.mkdir()
+    sbatch.write_text(f'#!/bin/sh\necho "$@" >> "{calls}"\necho "{FAKE_JOB_ID};cluster"\n')
+    sbatch.chmod(0o755)
+    return calls

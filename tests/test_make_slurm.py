@@ -10,32 +10,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import FAKE_JOB_ID as JOB_ID, make_argv
 
 ROOT = Path(__file__).resolve().parents[1]
-JOB_ID = "4242"
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 
 
-@pytest.fixture
-def fake_sbatch(tmp_path) -> Path:
-    """``<tmp>/bin/sbatch``: appends its arguments to ``<tmp>/sbatch-calls`` and answers like
-    ``sbatch --parsable`` with a job id."""
-    calls = tmp_path / "sbatch-calls"
-    sbatch = tmp_path / "bin" / "sbatch"
-    sbatch.parent.mkdir()
-    sbatch.write_text(f'#!/bin/sh\necho "$@" >> "{calls}"\necho "{JOB_ID};cluster"\n')
-    sbatch.chmod(0o755)
-    return calls
-
-
 def make_slurm(tmp_path: Path, args: str) -> subprocess.CompletedProcess:
-    """``make slurm ARGS=...`` with this interpreter's environment (``-o``: never reinstall it)."""
-    venv_bin = Path(sys.executable).parent
+    """``make slurm ARGS=...`` with this interpreter's environment and the fake ``sbatch``."""
     env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
     return subprocess.run(
-        ["make", "--no-print-directory", "-o", f"{venv_bin.parent}/.installed", "slurm", f"BIN={venv_bin}",
-         f"VENV={venv_bin.parent}", f"SLURM_OUT={tmp_path / 'slurm'}", "DATASET=digits", f"ARGS={args}"],
+        make_argv("slurm", f"SLURM_OUT={tmp_path / 'slurm'}", "DATASET=digits", f"ARGS={args}"),
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
 

@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import make_argv
 
 ROOT = Path(__file__).resolve().parents[1]
-VENV = Path(sys.executable).parent.parent
 TINY = "rounds=1 num_clients=4 logger=none trainer.threads=1"  # one thread: two commands run at a time
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
@@ -103,7 +103,7 @@ def cheap_form(command: str, fill: dict[str, str]) -> list[str]:
         return [sys.executable, *words[1:], *extra]
     assert words[0] == "make", command
     # this interpreter's environment, never reinstalled (-o: treat the install stamp as up to date)
-    argv = ["make", "--no-print-directory", "-o", f"{VENV}/.installed", f"BIN={VENV}/bin", f"VENV={VENV}"]
+    argv = make_argv()
     variables = {w.split("=", 1)[0]: w.split("=", 1)[1] for w in words[2:] if "=" in w}
     flags = [e for e in extra if "=" not in e]
     for e in extra:
@@ -143,16 +143,6 @@ def finished_run(tmp_path_factory) -> Path:
     return run
 
 
-@pytest.fixture
-def fake_sbatch_path(tmp_path) -> str:
-    """A PATH whose first ``sbatch`` answers like ``sbatch --parsable`` (no cluster needed)."""
-    sbatch = tmp_path / "bin" / "sbatch"
-    sbatch.parent.mkdir()
-    sbatch.write_text('#!/bin/sh\necho "4242;cluster"\n')
-    sbatch.chmod(0o755)
-    return f"{sbatch.parent}{os.pathsep}{os.environ['PATH']}"
-
-
 def run_cheap(commands: list[str], fill: dict[str, str], path: str) -> str | None:
     """Run the cheap forms of ``commands`` in order; None when each exits 0 and prints what
     :data:`CHEAP` expects, else what went wrong."""
@@ -168,7 +158,7 @@ def run_cheap(commands: list[str], fill: dict[str, str], path: str) -> str | Non
 
 
 @pytest.mark.slow
-def test_readme_commands_run(tmp_path, finished_run, fake_sbatch_path):
+def test_readme_commands_run(tmp_path, finished_run, fake_sbatch):
     """Every README command, cheaply, two at a time (each with one torch thread)."""
     data = os.environ.get("FEDFEW_DATA_DIR", "")
     have_data = bool(data) and Path(data, "ag_news_csv").is_dir()
@@ -183,9 +173,10 @@ def test_readme_commands_run(tmp_path, finished_run, fake_sbatch_path):
             jobs = [j for j in jobs if j != [first]] + [[first, command]]
         else:
             jobs.append([command])
+    path = f"{fake_sbatch.parent / 'bin'}{os.pathsep}{os.environ['PATH']}"
     fills = [{"run": str(finished_run), "tmp": str(tmp_path / f"job{i}"), "data": data} for i in range(len(jobs))]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        failures = [f for f in pool.map(run_cheap, jobs, fills, [fake_sbatch_path] * len(jobs)) if f]
+        failures = [f for f in pool.map(run_cheap, jobs, fills, [path] * len(jobs)) if f]
     assert not failures, "\n\n".join(failures)
     resumable = Path(fills[[i for i, j in enumerate(jobs) if len(j) == 2][0]]["tmp"]) / "resumable"
     assert (resumable / "checkpoints" / "last.ckpt").exists() and (resumable / "results.json").exists()

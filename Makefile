@@ -68,8 +68,8 @@ slurm: $(STAMP)
 
 # compare: every algorithm on the same partitions and budget -> $(OUT)/compare.{csv,md};
 # finished runs are reused (an interrupted comparison resumes). ARGS go to every run.
-# ALGORITHMS defaults to every registered one: fedfew and the baselines fedavg fedprox local ifca
-# fedrep ditto apfl fedamp fedmtl cfl fedsoft fedmgda (README, "Baselines").
+# ALGORITHMS defaults to every registered one that can run on the setup (docs/algorithms.md);
+# the ones left out (e.g. oracle without client groups) are named, before any run starts.
 # JOBS=N runs N at a time, each with one torch thread (N processes on N cores, no oversubscription).
 #   make compare DATASET=agnews ALGORITHMS="fedfew fedavg ifca" SEEDS="0 1 2" ARGS="rounds=10" JOBS=2
 ALGORITHMS ?=

@@ -16,6 +16,8 @@ DATA_ARG := $(if $(DATA_DIR),data_dir=$(abspath $(DATA_DIR)),)
 
 help:
 	@echo "make install | train DATASET=<name> [DATA_DIR=<dir>] [ARGS='<hydra overrides>'] | test | runs [ROOT=<dir>] | notebook RUN=<run dir>"
+	@echo "     tune DATASET=<name> ALGORITHMS='...' | compare DATASET=<name> ALGORITHMS='...' SEEDS='0 1 2' JOBS=2"
+	@echo "     slurm DATASET=<name> NODES=<n> GPUS=<g> TIME=<hh:mm:ss> | slurm-up | slurm-down | bench | gpu-check  (README.md, docs/)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

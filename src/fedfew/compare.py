@@ -49,7 +49,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from fedfew.io import atomic_write_text
 from fedfew.partition_report import partition_scheme
@@ -709,43 +709,6 @@ def default_algorithms() -> list[str]:
     return sorted(names, key=lambda n: (n != "fedfew", n))
 
 
-def runnable_algorithms(algorithms: Sequence[str], named: bool, make_run: Callable[[str], Run]) -> list[str]:
-    """The algorithms whose run config validates, checked before any run starts.
-
-    Args:
-        algorithms: the algorithms asked for.
-        named: True when the user named them (``--algorithms``): then one that cannot run is an
-            error; otherwise (the default list) it is left out with a line saying why, e.g.
-            ``oracle`` without client groups or ``fedbn`` on a model without BatchNorm.
-        make_run: the comparison's run of an algorithm (its first seed), whose overrides are
-            composed and validated exactly as ``fedfew.train`` would.
-    Raises:
-        CompareError: a named algorithm's config does not validate, an override does not
-            compose, or no algorithm can run.
-    """
-    from fedfew.config import ConfigError, validate_config
-    from fedfew.tune import TuneError, compose
-
-    kept, skipped = [], []
-    for alg in algorithms:
-        try:
-            validate_config(compose(make_run(alg).task_overrides()))
-        except TuneError as err:
-            raise CompareError(str(err)) from err
-        except ConfigError as err:
-            if named:
-                raise CompareError(f"{alg} cannot run on this setup: {err}") from err
-            skipped.append(f"{alg} ({' '.join(str(err).split())})")
-            continue
-        kept.append(alg)
-    if skipped:
-        _echo("left out (they cannot run on this setup; name them in ALGORITHMS to see the error): "
-              + "; ".join(skipped))
-    if not kept:
-        raise CompareError("no algorithm can run on this setup: " + "; ".join(skipped))
-    return kept
-
-
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     argv = list(argv)
     extra: list[str] = []
@@ -777,6 +740,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     algorithms = args.algorithms or default_algorithms()
     from fedfew.algorithms import ALGORITHMS
+    from fedfew.tune import TuneError, runnable_algorithms
 
     for alg in algorithms:
         ALGORITHMS.get(alg)  # unknown names fail here, with the list of known ones
@@ -790,9 +754,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "'none' runs every method with its config defaults)")
     out = Path(args.out or f"outputs/compare/{args.dataset}").expanduser().resolve()
     presets = {alg: preset_for(args.dataset, alg, args.presets, args.extra) for alg in algorithms}
-    algorithms = runnable_algorithms(
-        algorithms, named=args.algorithms is not None,
-        make_run=lambda alg: Run(alg, args.seeds[0], out, tuple(args.extra), args.dataset, *presets[alg]))
+    try:  # every run config is checked before any run starts (the default list leaves out what cannot run)
+        algorithms = list(runnable_algorithms(
+            algorithms, named=args.algorithms is not None,
+            overrides_of=lambda alg: Run(alg, args.seeds[0], out, tuple(args.extra), args.dataset,
+                                         *presets[alg]).task_overrides()))
+    except TuneError as err:
+        raise CompareError(str(err)) from err
     reference = args.reference if args.reference in algorithms else algorithms[0]
     runs = [Run(alg, seed, out, tuple(args.extra), args.dataset, *presets[alg]) for seed in args.seeds
             for alg in algorithms]

@@ -227,6 +227,46 @@ def compose(overrides: Sequence[str]):
         restore_gh_from_backup(backup)
 
 
+def runnable_algorithms(algorithms: Sequence[str], named: bool,
+                        overrides_of: Callable[[str], Sequence[str]]) -> dict[str, Any]:
+    """The algorithms whose run config validates, with that config, checked before any run
+    (``make tune`` and ``make compare`` both use it).
+
+    Args:
+        algorithms: the algorithms asked for.
+        named: True when the user named them (``ALGORITHMS``): then one that cannot run is an
+            error; otherwise (the default list) it is left out with a line saying why, e.g.
+            ``oracle`` without client groups or ``fedbn`` on a model without BatchNorm.
+        overrides_of: an algorithm's run overrides, composed and validated exactly as
+            ``python -m fedfew.train`` would.
+    Returns:
+        {algorithm: its composed config}, in the order asked for.
+    Raises:
+        TuneError: a named algorithm's config does not validate, an override does not compose,
+            or no algorithm can run.
+    """
+    from fedfew.config import ConfigError, validate_config
+
+    kept: dict[str, Any] = {}
+    skipped: list[str] = []
+    for alg in algorithms:
+        cfg = compose(overrides_of(alg))
+        try:
+            validate_config(cfg)
+        except ConfigError as err:
+            if named:
+                raise TuneError(f"{alg} cannot run on this setup: {err}") from err
+            skipped.append(f"{alg} ({' '.join(str(err).split())})")
+            continue
+        kept[alg] = cfg
+    if skipped:
+        _echo("left out (they cannot run on this setup; name them in ALGORITHMS to see the error): "
+              + "; ".join(skipped))
+    if not kept:
+        raise TuneError("no algorithm can run on this setup: " + "; ".join(skipped))
+    return kept
+
+
 def preset_overrides(path: str | Path) -> list[str]:
     """A preset file's values as command-line overrides (``optim.lr=0.2``, ``algorithm.mu=0.1``),
     to apply a preset that is not in ``conf/tuned`` (with ``~tuned``, which drops the default one).
@@ -614,7 +654,6 @@ def plans(args: argparse.Namespace) -> list[Plan]:
             validate.
     """
     from fedfew.algorithms import ALGORITHMS
-    from fedfew.config import ConfigError, validate_config
     from fedfew.overrides import check_overrides
 
     if args.trials < 1 or args.jobs < 1:
@@ -641,37 +680,29 @@ def plans(args: argparse.Namespace) -> list[Plan]:
     out = Path(args.out or f"outputs/tune/{args.dataset}").expanduser().resolve()
     startup = args.startup
     fixed = fixed_keys(args.extra)
-    result: list[Plan] = []
-    skipped: list[str] = []
+    made: dict[str, Plan] = {}
     for alg in algorithms:
         dims = [d for d in load_space(alg) if d.key not in fixed]
         if not dims:
             raise TuneError(f"empty search space for {alg}: every key of conf/tune/common.yaml and "
                             f"conf/tune/{alg}.yaml is fixed by the extra overrides ({sorted(fixed)}); "
                             "drop those overrides or add keys to the space")
-        plan = Plan(args.dataset, alg, dims, list(args.seeds), args.trials, args.jobs, list(args.extra),
-                    args.val_fraction, args.objective, args.sampler_seed, startup, out)
-        probe = plan.trial_overrides({}, args.seeds[0], out / "probe")[:-1]
-        cfg = compose(probe)
-        try:
-            validate_config(cfg)
-        except ConfigError as err:
-            if args.algorithms is None:  # the default list: leave out what cannot run on this setup
-                skipped.append(f"{alg} ({' '.join(str(err).split())})")
-                continue
-            raise TuneError(f"{alg}: {err}") from err
-        plan.space = [d.resolve(cfg) for d in dims]
+        made[alg] = Plan(args.dataset, alg, dims, list(args.seeds), args.trials, args.jobs, list(args.extra),
+                         args.val_fraction, args.objective, args.sampler_seed, startup, out)
+    # a trial of each algorithm with its config defaults is what must validate
+    configs = runnable_algorithms(
+        algorithms, named=args.algorithms is not None,
+        overrides_of=lambda alg: made[alg].trial_overrides({}, args.seeds[0], out / "probe")[:-1])
+    result: list[Plan] = []
+    for alg, cfg in configs.items():
+        plan = made[alg]
+        plan.space = [d.resolve(cfg) for d in plan.space]
         plan.cfg = cfg
         # what makes two tunes the same study (--trials may grow and --jobs change on a resume)
         plan.settings = {"space": [d.describe() for d in plan.space], "seeds": plan.seeds, "extra": plan.extra,
                          "val_fraction": plan.val_fraction, "objective": plan.objective,
                          "sampler_seed": plan.sampler_seed, "startup": startup}
         result.append(plan)
-    if skipped:
-        _echo("left out (they cannot run on this setup; name them in ALGORITHMS to see the error): "
-              + "; ".join(skipped))
-    if not result:
-        raise TuneError("no algorithm can run on this setup: " + "; ".join(skipped))
     return result
 
 

@@ -32,7 +32,7 @@ from fedfew.algorithms.fedmgda import min_norm_weights, project_simplex_box, wei
 from fedfew.algorithms.fedmtl import centering_omega, regulariser, regulariser_gradient
 from fedfew.algorithms.fedsoft import importance_weights, per_sample_losses, proximal_centre
 from fedfew.config import ConfigError, validate_config
-from fedfew.module import assign_flat_, flat_parameters
+from fedfew.module import assign_flat_
 from fedfew.seeding import derive_seed
 
 from conftest import CONF_DIR, compose_config

@@ -8,14 +8,12 @@ are not there are tested on small files generated here in their real on-disk for
 from __future__ import annotations
 
 import csv
-import glob
 import io
 import json
 import os
 import pickle
 import tarfile
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np

@@ -62,7 +62,7 @@ CHEAP: dict[str, tuple[list[str], str]] = {
     "make notebook 'RUN=outputs/digits/fedfew/<run>'": (["RUN={run}"], "analysis.html"),
     ".venv/bin/python -m fedfew.plots 'outputs/digits/fedfew/<run>'": ([], "plots"),
     "make train ARGS=logger=wandb": (
-        [f"ARGS=rounds=1 num_clients=4 trainer.threads=1 hydra.run.dir={{tmp}}/r"], "wandb sync"),
+        ["ARGS=rounds=1 num_clients=4 trainer.threads=1 hydra.run.dir={tmp}/r"], "wandb sync"),
     "make train DATASET=agnews DATA_DIR=../shared/data": (
         ["DATA_DIR={data}", "ARGS=rounds=1 participation=0.1 logger=none trainer.threads=1 "  # M = 20 (the preset), 2 clients train
                             "hydra.run.dir={tmp}/r"], "client-mean acc"),

@@ -40,7 +40,7 @@ def test_where_lines_name_the_folder_notebook_and_plots(tmp_path, monkeypatch):
     run_dir = tmp_path / "outputs" / "digits" / "fedfew" / "2026-01-01_12-00-00_K-5"
     monkeypatch.chdir(tmp_path)  # not the checkout: the notebook command works from anywhere
     lines = runs.where_lines(run_dir)
-    assert lines == [f"run folder: outputs/digits/fedfew/2026-01-01_12-00-00_K-5",
+    assert lines == ["run folder: outputs/digits/fedfew/2026-01-01_12-00-00_K-5",
                      "  notebook: python -m fedfew.notebook outputs/digits/fedfew/2026-01-01_12-00-00_K-5   "
                      "(writes analysis.html there)",
                      "  plots:    outputs/digits/fedfew/2026-01-01_12-00-00_K-5/plots   "
@@ -225,7 +225,7 @@ def test_two_process_run_is_quiet_named_and_says_where_it_is(tmp_path):
     assert not (run_dir / runs.PID_FILE).exists()  # removed at the end: listed as done
     progress = [line for line in proc.stdout.splitlines() if line.startswith("round ")]
     assert len(progress) == 2 and all(" s/round  wall " in line and "  train " in line for line in progress)
-    assert progress[1].startswith(f"round 2/2  loss ") and f"acc {summary['acc_mean']:.4f}" in progress[1]
+    assert progress[1].startswith("round 2/2  loss ") and f"acc {summary['acc_mean']:.4f}" in progress[1]
     assert f"run folder: {run_dir}" in proc.stdout and f"make notebook RUN={run_dir}" in proc.stdout
     listing = subprocess.run([sys.executable, "-m", "fedfew.runs", str(out_root)], capture_output=True, text=True,
                              timeout=60)

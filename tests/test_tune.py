@@ -9,7 +9,6 @@ import json
 import math
 import os
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -171,8 +170,6 @@ def test_study_is_reproducible_resumes_and_writes_a_preset(tmp_path, fake):
 
 
 def test_an_interrupted_trial_runs_again_with_its_values_and_a_failed_one_stops_the_tune(tmp_path, fake, monkeypatch):
-    import optuna
-
     command, log = fake
     out = tmp_path / "out"
     assert tune.main(argv(out, 2), command=command) == 0

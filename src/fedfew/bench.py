@@ -159,7 +159,6 @@ def synthetic_images(pool: int, num_clients: int, seed: int = 0, shape=(3, 32, 3
             of the even split; ``pool`` is then ignored.
     """
     import numpy as np
-    import torch
 
     from fedfew.data.base import ClientSplit, FederatedData
 

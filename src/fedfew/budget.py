@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
 from omegaconf import DictConfig
 from torch import nn
 

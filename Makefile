@@ -77,7 +77,7 @@ slurm: $(STAMP)
 ALGORITHMS ?=
 SEEDS ?= 0
 JOBS ?= 1
-OUT ?= outputs/compare/$(DATASET)
+OUT ?=
 COMPARE_DATA_DIR := $(or $(DATA_DIR),$(FEDFEW_DATA_DIR),$(wildcard $(SHARED_DATA)))
 
 # PRESETS=<dir>: each method's preset from <dir>/<dataset>_<alg>.yaml (make tune's <out>/presets, tuned for
@@ -86,7 +86,7 @@ PRESETS ?=
 
 compare: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} WANDB_SILENT=true $(BIN)/python -m fedfew.compare --dataset $(DATASET) \
-		$(if $(strip $(ALGORITHMS)),--algorithms $(ALGORITHMS)) --seeds $(SEEDS) --out $(OUT) --jobs $(JOBS) \
+		$(if $(strip $(ALGORITHMS)),--algorithms $(ALGORITHMS)) --seeds $(SEEDS) $(if $(OUT),--out $(OUT)) --jobs $(JOBS) \
 		$(if $(PRESETS),--presets $(PRESETS)) \
 		-- $(if $(COMPARE_DATA_DIR),data_dir=$(abspath $(COMPARE_DATA_DIR))) $(if $(filter-out 1,$(JOBS)),trainer.threads=1) $(ARGS)
 

@@ -153,8 +153,12 @@ def test_algorithms_that_cannot_run_are_named_or_left_out_before_any_run(tmp_pat
         compare.main(["--algorithms", "fedavg", "--out", str(tmp_path), "--", "partition=nosuch"])
     assert started == []
     # the default list leaves oracle (no groups) and fedbn (the MLP has no BatchNorm) out, and says why
+    monkeypatch.setenv("FEDFEW_OUTPUT_DIR", str(tmp_path))
     with pytest.raises(Started):
-        compare.main(["--out", str(tmp_path), "--seeds", "0", "1", "--", "partition=dirichlet"])
+        compare.main(["--seeds", "0", "1", "--", "partition=dirichlet", "trainer.threads=1"])
+    # without --out the folder names the setup (threads do not change results), so comparisons
+    # of different setups never meet each other's runs
+    assert {r.out for r in started} == {tmp_path / "compare" / "digits_partition-dirichlet"}
     expected = [a for a in compare.default_algorithms() if a not in ("oracle", "fedbn")]
     assert sorted(r.algorithm for r in started if r.seed == 0) == sorted(expected) and len(started) == 2 * len(expected)
     out = capsys.readouterr().out

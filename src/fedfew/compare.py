@@ -720,7 +720,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--algorithms", nargs="+", default=None,
                         help="algorithm config values (default: every registered algorithm)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="seeds (default 0)")
-    parser.add_argument("--out", default=None, help="output folder (default outputs/compare/<dataset>)")
+    parser.add_argument("--out", default=None, help="output folder (default $FEDFEW_OUTPUT_DIR or outputs, then compare/<dataset>, plus the extra overrides as in a run folder's name, e.g. outputs/compare/digits_partition-dirichlet)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
     parser.add_argument("--presets", default=None,
                         help="folder of <dataset>_<algorithm>.yaml presets to use instead of conf/tuned "
@@ -752,7 +752,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.presets not in (None, "none") and not Path(args.presets).expanduser().is_dir():
         raise CompareError(f"--presets {args.presets}: no such folder (make tune writes <out>/presets; "
                            "'none' runs every method with its config defaults)")
-    out = Path(args.out or f"outputs/compare/{args.dataset}").expanduser().resolve()
+    # the default folder names the overrides, so comparisons of other setups never meet each other's runs
+    from fedfew.runs import run_suffix
+
+    root = os.environ.get("FEDFEW_OUTPUT_DIR") or "outputs"  # where runs go too (conf/config.yaml)
+    out = Path(args.out or f"{root}/compare/{args.dataset}{run_suffix(args.extra)}").expanduser().resolve()
     presets = {alg: preset_for(args.dataset, alg, args.presets, args.extra) for alg in algorithms}
     try:  # every run config is checked before any run starts (the default list leaves out what cannot run)
         algorithms = list(runnable_algorithms(

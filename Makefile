@@ -68,8 +68,9 @@ slurm: $(STAMP)
 		--python $(abspath $(BIN)/python) --run-root $(SLURM_OUT) --script $(SLURM_OUT)/last.sbatch -- \
 		dataset=$(DATASET) $(DATA_ARG) trainer.accelerator=$(ACCELERATOR) trainer.strategy=ddp $(ARGS)
 
-# compare: every algorithm on the same partitions and budget -> $(OUT)/compare.{csv,md};
-# finished runs are reused (an interrupted comparison resumes). ARGS go to every run.
+# compare: every algorithm on the same partitions and budget -> compare.{csv,md} and PNGs in OUT (default
+# outputs/compare/<dataset><ARGS as in a run folder's name>); finished runs are reused (an interrupted
+# comparison resumes: the same command again). ARGS go to every run.
 # ALGORITHMS defaults to every registered one that can run on the setup (docs/algorithms.md);
 # the ones left out (e.g. oracle without client groups) are named, before any run starts.
 # JOBS=N runs N at a time, each with one torch thread (N processes on N cores, no oversubscription).

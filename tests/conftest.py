@@ -91,9 +91,9 @@ FAKE_JOB_ID = "4242"
 
 @pytest.fixture
 def fake_sbatch(tmp_path) -> Path:
-    """``<tmp>/bin/sbatch``, first on PATH for this test: it appends its arguments to
-    ``<tmp>/sbatch-calls`` (returned; absent while it was never called) and answers like
-    ``sbatch --parsable`` with job id :data:`FAKE_JOB_ID`, so no Slurm cluster is needed."""
+    """``<tmp>/bin/sbatch``, for a subprocess whose PATH starts with ``<tmp>/bin``: it appends its
+    arguments to ``<tmp>/sbatch-calls`` (returned; absent while it was never called) and answers
+    like ``sbatch --parsable`` with job id :data:`FAKE_JOB_ID`, so no Slurm cluster is needed."""
     calls = tmp_path / "sbatch-calls"
     sbatch = tmp_path / "bin" / "sbatch"
     sbatch.parent.mkdir()

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from fedfew import compare
+from fedfew import compare, tune
 from fedfew.compare import MAJORITY, CompareError, Run, summarize, to_csv, to_markdown
 
 
@@ -98,6 +98,12 @@ def test_one_seed_has_no_spread_and_the_first_method_is_said_to_be_first():
     assert a["diff_acc_mean"] == pytest.approx(-0.1)
     assert compare.ranking_note(rows, "b").startswith("b is first")
     assert list(csv.DictReader(io.StringIO(to_csv(rows))))[0]["acc_mean_std"] == ""
+    # the table's title and the setup every method shared, from results.json's config
+    title, notes = compare.describe(rows, results, "digits", [0], "b")
+    assert title == "digits: personalized test accuracy, protocol final, seeds 0"
+    assert notes[0] == "b is first on client-mean accuracy (0.9000; next: a 0.8000)"
+    assert notes[1].startswith("shared by every method: M=2 clients, dirichlet (alpha=0.5), 5 rounds, 1 local "
+                               "epoch(s), batch 50, local optimizer sgd, participation 1.0, model mlp with d=10 ")
 
 
 def test_mismatched_partitions_are_refused_and_budget_differences_flagged():
@@ -156,9 +162,20 @@ def test_algorithms_that_cannot_run_are_named_or_left_out_before_any_run(tmp_pat
     monkeypatch.setenv("FEDFEW_OUTPUT_DIR", str(tmp_path))
     with pytest.raises(Started):
         compare.main(["--seeds", "0", "1", "--", "partition=dirichlet", "trainer.threads=1"])
-    # without --out the folder names the setup (threads do not change results), so comparisons
-    # of different setups never meet each other's runs
+    # without --out the folder names the setup as run folders do (threads and paths left out), so
+    # comparisons of different setups never meet each other's runs
     assert {r.out for r in started} == {tmp_path / "compare" / "digits_partition-dirichlet"}
+    assert compare.default_out("digits", ["algorithm.K=5"], str(tmp_path / "tune" / "digits_x" / "presets")) == (
+        tmp_path / "compare" / "digits_K-5_presets-digits_x")
+    assert compare.default_out("digits", [], "none") == tmp_path / "compare" / "digits_presets-none"
+    # a key no config defines is named with the closest valid one, before any run
+    with pytest.raises(CompareError, match="closest valid key: algorithm.mu"):
+        compare.main(["--out", str(tmp_path), "--", "mu=0.1"])
+    # the default list leaves out a method without a key the overrides set, and the table says so
+    kept, left_out = tune.runnable_algorithms(
+        ["fedfew", "fedavg"], named=False, overrides_of=lambda alg: [f"algorithm={alg}", "algorithm.K=5"])
+    assert list(kept) == ["fedfew"] and kept["fedfew"].algorithm.K == 5
+    assert len(left_out) == 1 and left_out[0].startswith("fedavg (") and "algorithm.K" in left_out[0]
     expected = [a for a in compare.default_algorithms() if a not in ("oracle", "fedbn")]
     assert sorted(r.algorithm for r in started if r.seed == 0) == sorted(expected) and len(started) == 2 * len(expected)
     out = capsys.readouterr().out

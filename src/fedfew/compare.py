@@ -600,7 +600,7 @@ def describe(rows: Sequence[dict[str, Any]], results: dict[tuple[str, int], dict
         ev = cfg.get("eval") or {}
         finetune = f" ({ev.get('finetune_epochs')} fine-tuning epoch(s))" if protocol in ("finetune", "reference") else ""
         notes.append(
-            f"shared by every method: M={cfg['num_clients']} clients ({scheme}), {cfg['rounds']} rounds, "
+            f"shared by every method: M={cfg['num_clients']} clients, {scheme}, {cfg['rounds']} rounds, "
             f"{cfg['local_epochs']} local epoch(s), batch {cfg['dataset']['batch_size']}, local optimizer "
             f"{cfg['optim'].get('name', 'sgd')}{schedule}, participation {cfg.get('participation')}, model "
             f"{cfg['model']['name']} with d={d:,} parameters, protocol {protocol}{finetune}, the same seeds and partitions")
@@ -709,6 +709,27 @@ def default_algorithms() -> list[str]:
     return sorted(names, key=lambda n: (n != "fedfew", n))
 
 
+def default_out(dataset: str, extra: Sequence[str], presets: str | None) -> Path:
+    """``<$FEDFEW_OUTPUT_DIR or outputs>/compare/<dataset><setup>``: the setup is named from the
+    extra overrides as a run folder's name is (:func:`fedfew.runs.run_suffix`), plus
+    ``_presets-<name>`` with ``--presets``, so comparisons of different setups never meet each
+    other's runs, e.g. ``outputs/compare/digits_partition-dirichlet``."""
+    from fedfew.runs import run_suffix
+
+    setup = list(extra)
+    if presets:
+        folder = Path(presets).expanduser().resolve()
+        # make tune writes <tune out>/presets: name the tune's folder
+        setup.append(f"presets={'none' if presets == 'none' else (folder.parent.name if folder.name == 'presets' else folder.name)}")
+    root = Path(os.environ.get("FEDFEW_OUTPUT_DIR") or "outputs")  # where runs go too (conf/config.yaml)
+    out = (root / "compare" / f"{dataset}{run_suffix(setup)}").expanduser().resolve()
+    legacy = (root / "compare" / dataset).expanduser().resolve()
+    if out != legacy and not out.exists() and any(legacy.glob("*/seed*/results.json")):
+        _echo(f"note: {legacy} holds runs of a comparison made before the default folder named its setup; "
+              f"to continue that comparison, pass OUT={legacy} (--out)")
+    return out
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     argv = list(argv)
     extra: list[str] = []
@@ -718,7 +739,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m fedfew.compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", default="digits", help="dataset config value (default digits)")
     parser.add_argument("--algorithms", nargs="+", default=None,
-                        help="algorithm config values (default: every registered algorithm)")
+                        help="algorithm config values (default: every registered one that can run on the setup)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="seeds (default 0)")
     parser.add_argument("--out", default=None, help="output folder (default $FEDFEW_OUTPUT_DIR or outputs, then compare/<dataset>, plus the extra overrides as in a run folder's name, e.g. outputs/compare/digits_partition-dirichlet)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
@@ -740,6 +761,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     algorithms = args.algorithms or default_algorithms()
     from fedfew.algorithms import ALGORITHMS
+    from fedfew.overrides import check_overrides
     from fedfew.tune import TuneError, runnable_algorithms
 
     for alg in algorithms:
@@ -752,19 +774,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.presets not in (None, "none") and not Path(args.presets).expanduser().is_dir():
         raise CompareError(f"--presets {args.presets}: no such folder (make tune writes <out>/presets; "
                            "'none' runs every method with its config defaults)")
-    # the default folder names the overrides, so comparisons of other setups never meet each other's runs
-    from fedfew.runs import run_suffix
-
-    root = os.environ.get("FEDFEW_OUTPUT_DIR") or "outputs"  # where runs go too (conf/config.yaml)
-    out = Path(args.out or f"{root}/compare/{args.dataset}{run_suffix(args.extra)}").expanduser().resolve()
+    try:
+        check_overrides(list(args.extra))  # unknown keys, with the closest valid one
+    except ValueError as err:
+        raise CompareError(str(err)) from err
+    out = Path(args.out).expanduser().resolve() if args.out else default_out(args.dataset, args.extra, args.presets)
     presets = {alg: preset_for(args.dataset, alg, args.presets, args.extra) for alg in algorithms}
     try:  # every run config is checked before any run starts (the default list leaves out what cannot run)
-        algorithms = list(runnable_algorithms(
-            algorithms, named=args.algorithms is not None,
+        configs, left_out = runnable_algorithms(
+            algorithms, named=bool(args.algorithms),
             overrides_of=lambda alg: Run(alg, args.seeds[0], out, tuple(args.extra), args.dataset,
-                                         *presets[alg]).task_overrides()))
+                                         *presets[alg]).task_overrides())
     except TuneError as err:
         raise CompareError(str(err)) from err
+    algorithms = list(configs)
     reference = args.reference if args.reference in algorithms else algorithms[0]
     runs = [Run(alg, seed, out, tuple(args.extra), args.dataset, *presets[alg]) for seed in args.seeds
             for alg in algorithms]
@@ -773,6 +796,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = collect(runs)
     rows, warnings = summarize(results, algorithms, reference, {a: p[1] for a, p in presets.items()})
     title, notes = describe(rows, results, args.dataset, args.seeds, reference)
+    if left_out:
+        notes.append("left out (they cannot run on this setup): " + "; ".join(left_out))
     failed = [f"{r.algorithm}/seed{r.seed}" for r, s in status.items() if s == "failed"]
     if failed:
         warnings.append(f"failed runs (left out; logs in {out / 'logs'}): {', '.join(failed)}")

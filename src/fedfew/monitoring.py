@@ -9,7 +9,7 @@ every round
     ``round``; ``train/g`` (the STCH-Set value), ``train/lr``, ``train/round_time_s``,
     ``train/loss_mean`` / ``train/loss_best_mean`` (mean of L, and of min_k L_ik),
     ``effective_step/<k>`` (the fraction of a client-sized step model k took: eta_s with
-    ``normalize=true``, sum_i alpha_i w_ik with the reference rule), ``weight_share/<k>``
+    ``normalize=true``, eta_s sum_i alpha_i w_ik with the reference rule), ``weight_share/<k>``
     (sum_i alpha_i w_ik), ``effective_clients/<k>``, ``clients_served/<k>`` (clients whose
     argmax_k w_ik (or the algorithm's assignment) is k), ``assignment/changed`` (clients
     whose assignment moved since their previous round), ``train/<name>`` for any other

@@ -228,7 +228,7 @@ def compose(overrides: Sequence[str]):
 
 
 def runnable_algorithms(algorithms: Sequence[str], named: bool,
-                        overrides_of: Callable[[str], Sequence[str]]) -> dict[str, Any]:
+                        overrides_of: Callable[[str], Sequence[str]]) -> tuple[dict[str, Any], list[str]]:
     """The algorithms whose run config validates, with that config, checked before any run
     (``make tune`` and ``make compare`` both use it).
 
@@ -236,27 +236,30 @@ def runnable_algorithms(algorithms: Sequence[str], named: bool,
         algorithms: the algorithms asked for.
         named: True when the user named them (``ALGORITHMS``): then one that cannot run is an
             error; otherwise (the default list) it is left out with a line saying why, e.g.
-            ``oracle`` without client groups or ``fedbn`` on a model without BatchNorm.
+            ``oracle`` without client groups, ``fedbn`` on a model without BatchNorm, or a method
+            without a key the overrides set (``algorithm.K=5`` for fedavg).
         overrides_of: an algorithm's run overrides, composed and validated exactly as
             ``python -m fedfew.train`` would.
     Returns:
-        {algorithm: its composed config}, in the order asked for.
+        ({algorithm: its composed config} in the order asked for, ["<algorithm> (<why>)" for
+        each one left out]).
     Raises:
-        TuneError: a named algorithm's config does not validate, an override does not compose,
-            or no algorithm can run.
+        TuneError: a named algorithm's config does not compose or validate, or no algorithm
+            can run.
     """
     from fedfew.config import ConfigError, validate_config
 
     kept: dict[str, Any] = {}
     skipped: list[str] = []
     for alg in algorithms:
-        cfg = compose(overrides_of(alg))
         try:
+            cfg = compose(overrides_of(alg))
             validate_config(cfg)
-        except ConfigError as err:
+        except (TuneError, ConfigError) as err:
             if named:
                 raise TuneError(f"{alg} cannot run on this setup: {err}") from err
-            skipped.append(f"{alg} ({' '.join(str(err).split())})")
+            why = err.__cause__ if isinstance(err, TuneError) and err.__cause__ else err  # Hydra's own words
+            skipped.append(f"{alg} ({' '.join(str(why).split())})")
             continue
         kept[alg] = cfg
     if skipped:
@@ -264,7 +267,7 @@ def runnable_algorithms(algorithms: Sequence[str], named: bool,
               + "; ".join(skipped))
     if not kept:
         raise TuneError("no algorithm can run on this setup: " + "; ".join(skipped))
-    return kept
+    return kept, skipped
 
 
 def preset_overrides(path: str | Path) -> list[str]:
@@ -618,7 +621,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m fedfew.tune", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", default="digits", help="dataset config value (default digits)")
     parser.add_argument("--algorithms", nargs="+", required=False, default=None,
-                        help="algorithm config values (default: every registered algorithm)")
+                        help="algorithm config values (default: every registered one that can run on the setup)")
     parser.add_argument("--trials", type=int, default=12, help="finished trials per algorithm (default 12)")
     parser.add_argument("--jobs", type=int, default=1, help="trials at a time (default 1)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="tuning seeds, each trial runs all (default 0)")
@@ -690,8 +693,8 @@ def plans(args: argparse.Namespace) -> list[Plan]:
         made[alg] = Plan(args.dataset, alg, dims, list(args.seeds), args.trials, args.jobs, list(args.extra),
                          args.val_fraction, args.objective, args.sampler_seed, startup, out)
     # a trial of each algorithm with its config defaults is what must validate
-    configs = runnable_algorithms(
-        algorithms, named=args.algorithms is not None,
+    configs, _ = runnable_algorithms(
+        algorithms, named=bool(args.algorithms),
         overrides_of=lambda alg: made[alg].trial_overrides({}, args.seeds[0], out / "probe")[:-1])
     result: list[Plan] = []
     for alg, cfg in configs.items():

@@ -92,20 +92,21 @@ compare: $(STAMP)
 		-- $(if $(COMPARE_DATA_DIR),data_dir=$(abspath $(COMPARE_DATA_DIR))) $(if $(filter-out 1,$(JOBS)),trainer.threads=1) $(ARGS)
 
 # tune: the same Optuna search (TPE, TRIALS finished trials per method) for every method, scored on the clients'
-# validation split (VAL_FRACTION of each train split; the test split is never read); presets -> $(TUNE_OUT)/presets
+# validation split (VAL_FRACTION of each train split; the test split is never read); presets -> <TUNE_OUT>/presets
+# (default outputs/tune/<dataset><ARGS as in a run folder's name>)
 # and, when ARGS keep the dataset's default setup, conf/tuned/<dataset>_<alg>.yaml (docs/tuning.md). Resumable.
 #   make tune DATASET=digits ALGORITHMS="fedfew fedavg fedrep" TRIALS=12 JOBS=2
 TRIALS ?= 12
 VAL_FRACTION ?= 0.2
 TUNE_SEEDS ?= 0
 INSTALL ?= auto
-TUNE_OUT ?= outputs/tune/$(DATASET)
+TUNE_OUT ?=
 
 tune: $(STAMP)
 	FEDFEW_TUNE_MADE_BY='make tune DATASET=$(DATASET) ALGORITHMS="$(ALGORITHMS)" TRIALS=$(TRIALS) JOBS=$(JOBS) TUNE_SEEDS="$(TUNE_SEEDS)" VAL_FRACTION=$(VAL_FRACTION) ARGS="$(ARGS)"' \
 	WANDB_MODE=disabled WANDB_SILENT=true $(BIN)/python -m fedfew.tune --dataset $(DATASET) \
 		$(if $(strip $(ALGORITHMS)),--algorithms $(ALGORITHMS)) --trials $(TRIALS) --jobs $(JOBS) \
-		--seeds $(TUNE_SEEDS) --val-fraction $(VAL_FRACTION) --install $(INSTALL) --out $(TUNE_OUT) \
+		--seeds $(TUNE_SEEDS) --val-fraction $(VAL_FRACTION) --install $(INSTALL) $(if $(TUNE_OUT),--out $(TUNE_OUT)) \
 		-- $(if $(COMPARE_DATA_DIR),data_dir=$(abspath $(COMPARE_DATA_DIR))) $(if $(filter-out 1,$(JOBS)),trainer.threads=1) $(ARGS)
 
 # bench: throughput (engine=loop vs vmap), overhead, FLOP/s, scaling in M and K, memory, the

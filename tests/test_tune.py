@@ -104,6 +104,25 @@ def test_the_default_list_leaves_out_what_cannot_run_and_a_named_one_is_an_error
     assert not tmp_path.joinpath("oracle").exists()
 
 
+def test_the_default_folder_names_the_setup_and_points_to_an_older_one(tmp_path, monkeypatch, capsys):
+    """Without --out, tunes of different setups get different folders (as make compare's do), under
+    $FEDFEW_OUTPUT_DIR; threads and paths do not change the name."""
+    monkeypatch.setenv("FEDFEW_OUTPUT_DIR", str(tmp_path))
+    plan = tune.plans(tune.parse_args(["--algorithms", "fedavg", "--", "partition=pathological", "trainer.threads=1"]))
+    assert [p.out for p in plan] == [tmp_path / "tune" / "digits_partition-pathological"]
+    assert tune.plans(tune.parse_args(["--algorithms", "fedavg"]))[0].out == tmp_path / "tune" / "digits"
+    # a study in the folder every setup used before is pointed to, and nothing is started before the note
+    (tmp_path / "tune" / "digits" / "fedavg").mkdir(parents=True)
+    (tmp_path / "tune" / "digits" / "fedavg" / "study.db").write_bytes(b"")
+    from fedfew.runs import older_setup_folder
+
+    new = tmp_path / "tune" / "digits_partition-pathological"
+    assert older_setup_folder("tune", "digits", new, "*/study.db") == tmp_path / "tune" / "digits"
+    assert older_setup_folder("tune", "digits", tmp_path / "tune" / "digits", "*/study.db") is None
+    new.mkdir()  # once the new folder exists it is the one in use: no note
+    assert older_setup_folder("tune", "digits", new, "*/study.db") is None
+
+
 def test_malformed_dimensions_are_named():
     src = Path("x.yaml")
     for spec, needle in [({"low": 1, "high": 0.5}, "low < high"), ({"low": 0, "high": 1, "log": True}, "low > 0"),

@@ -710,24 +710,16 @@ def default_algorithms() -> list[str]:
 
 
 def default_out(dataset: str, extra: Sequence[str], presets: str | None) -> Path:
-    """``<$FEDFEW_OUTPUT_DIR or outputs>/compare/<dataset><setup>``: the setup is named from the
-    extra overrides as a run folder's name is (:func:`fedfew.runs.run_suffix`), plus
-    ``_presets-<name>`` with ``--presets``, so comparisons of different setups never meet each
-    other's runs, e.g. ``outputs/compare/digits_partition-dirichlet``."""
-    from fedfew.runs import run_suffix
+    """:func:`fedfew.runs.setup_folder` of kind ``compare``, plus ``_presets-<name>`` with
+    ``--presets`` (the tune folder's name for make tune's ``<out>/presets``), e.g.
+    ``outputs/compare/digits_partition-dirichlet_presets-digits``."""
+    from fedfew.runs import setup_folder
 
     setup = list(extra)
     if presets:
         folder = Path(presets).expanduser().resolve()
-        # make tune writes <tune out>/presets: name the tune's folder
         setup.append(f"presets={'none' if presets == 'none' else (folder.parent.name if folder.name == 'presets' else folder.name)}")
-    root = Path(os.environ.get("FEDFEW_OUTPUT_DIR") or "outputs")  # where runs go too (conf/config.yaml)
-    out = (root / "compare" / f"{dataset}{run_suffix(setup)}").expanduser().resolve()
-    legacy = (root / "compare" / dataset).expanduser().resolve()
-    if out != legacy and not out.exists() and any(legacy.glob("*/seed*/results.json")):
-        _echo(f"note: {legacy} holds runs of a comparison made before the default folder named its setup; "
-              f"to continue that comparison, pass OUT={legacy} (--out)")
-    return out
+    return setup_folder("compare", dataset, setup)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -762,12 +754,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     algorithms = args.algorithms or default_algorithms()
     from fedfew.algorithms import ALGORITHMS
     from fedfew.overrides import check_overrides
-    from fedfew.tune import TuneError, runnable_algorithms
+    from fedfew.runs import older_setup_folder
+    from fedfew.tune import LEFT_OUT, RUN_KEYS, TuneError, runnable_algorithms
 
     for alg in algorithms:
         ALGORITHMS.get(alg)  # unknown names fail here, with the list of known ones
-    bad = [e for e in args.extra
-           if e.split("=")[0].lstrip("+~") in ("dataset", "algorithm", "seed", "hydra.run.dir", "tuned")]
+    bad = [e for e in args.extra if e.split("=", 1)[0].lstrip("+~") in RUN_KEYS]
     if bad:
         raise CompareError(f"{bad}: dataset, algorithm, seed, the run directory and the presets are set by the "
                            "comparison (use --dataset/--algorithms/--seeds/--out/--presets)")
@@ -778,7 +770,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_overrides(list(args.extra))  # unknown keys, with the closest valid one
     except ValueError as err:
         raise CompareError(str(err)) from err
-    out = Path(args.out).expanduser().resolve() if args.out else default_out(args.dataset, args.extra, args.presets)
+    if args.out:
+        out = Path(args.out).expanduser().resolve()
+    else:
+        out = default_out(args.dataset, args.extra, args.presets)
+        older = older_setup_folder("compare", args.dataset, out, "*/seed*/results.json")
+        if older:
+            _echo(f"note: {older} holds runs of a comparison made before the default folder named its setup; "
+                  f"to continue that comparison, pass OUT={older} (--out)")
     presets = {alg: preset_for(args.dataset, alg, args.presets, args.extra) for alg in algorithms}
     try:  # every run config is checked before any run starts (the default list leaves out what cannot run)
         configs, left_out = runnable_algorithms(
@@ -787,6 +786,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          *presets[alg]).task_overrides())
     except TuneError as err:
         raise CompareError(str(err)) from err
+    if left_out:
+        _echo(LEFT_OUT + "; ".join(left_out))
     algorithms = list(configs)
     reference = args.reference if args.reference in algorithms else algorithms[0]
     runs = [Run(alg, seed, out, tuple(args.extra), args.dataset, *presets[alg]) for seed in args.seeds

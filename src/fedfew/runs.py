@@ -79,6 +79,27 @@ def run_suffix(overrides: Iterable[str]) -> str:
     return ("_" + "_".join(kept) if kept else "") + (f"_+{left}" if left else "")
 
 
+def setup_folder(kind: str, dataset: str, extra: Iterable[str]) -> Path:
+    """``<$FEDFEW_OUTPUT_DIR or outputs>/<kind>/<dataset><setup>``, the default folder of ``make
+    tune`` (kind ``tune``) and ``make compare`` (kind ``compare``): the setup is named from the
+    extra overrides as a run folder's name is (:func:`run_suffix`), so tunes or comparisons of
+    different setups never meet each other's runs, e.g. ``outputs/compare/digits_partition-dirichlet``.
+    Absolute (resolved against the working directory, as Hydra's run folders are)."""
+    root = Path(os.environ.get("FEDFEW_OUTPUT_DIR") or "outputs")  # where runs go too (conf/config.yaml)
+    return (root / kind / f"{dataset}{run_suffix(extra)}").expanduser().resolve()
+
+
+def older_setup_folder(kind: str, dataset: str, out: Path, marker: str) -> Path | None:
+    """``<root>/<kind>/<dataset>`` when it holds work (a file matching ``marker``) and ``out``,
+    the folder named after the setup, does not exist yet: such a folder was made before default
+    folders named their setup (every setup went there), and the user may want to continue it
+    with ``OUT=`` / ``TUNE_OUT=``. None otherwise."""
+    older = setup_folder(kind, dataset, [])
+    if out != older and not out.exists() and any(older.glob(marker)):
+        return older
+    return None
+
+
 def register_resolvers() -> None:
     """Register ``${fedfew.run_suffix:<overrides>}`` (used by ``hydra.run.dir``) with OmegaConf;
     idempotent."""

@@ -1,7 +1,7 @@
 """Tune every method the same way, on validation data, and write presets (``make tune``).
 
     python -m fedfew.tune --dataset digits --algorithms fedfew fedavg fedrep --trials 12 --jobs 2 \\
-        --out outputs/tune/digits -- trainer.threads=1
+        -- trainer.threads=1
 
 For each algorithm, an Optuna study (TPE sampler, seeded) runs the same number of trials. A
 trial is one isolated ``python -m fedfew.train`` subprocess per tuning seed with the sampled
@@ -19,7 +19,10 @@ learning rate, log-uniform around the dataset's ``dataset.lr``, for every method
 extra overrides is left out of the search; an algorithm left with nothing to search is an
 error.
 
-Written to ``<out>`` (default ``outputs/tune/<dataset>``):
+Written to ``<out>`` (default ``<$FEDFEW_OUTPUT_DIR or outputs>/tune/<dataset><setup>``, the setup
+named from the extra overrides as a run folder's name is, e.g. ``outputs/tune/digits`` for the
+dataset's default setup and ``outputs/tune/digits_partition-pathological``;
+:func:`fedfew.runs.setup_folder`):
 
 - ``<algorithm>/study.db``: the Optuna study (SQLite). An interrupted tune resumes: finished
   trials are kept, a trial that was running is run again with the same values.
@@ -71,9 +74,13 @@ OBJECTIVES = ("last3", "final")
 #: override keys that do not change what a preset is tuned for (threads, logging, engines, paths)
 SETUP_NEUTRAL = ("trainer.", "logger", "data_dir", "engine", "engine_clients", "compile", "checkpoint_every",
                  "save_models", "fail_on_nonfinite", "collapse.", "eval_every")
-#: keys the tune sets itself (trials) or that a comparison sets per run
-RESERVED = ("dataset", "algorithm", "seed", "hydra.run.dir", "partition.val_fraction", "eval.split", "tuned")
+#: keys a comparison (make compare) sets for each run: never in its extra overrides
+RUN_KEYS = ("dataset", "algorithm", "seed", "hydra.run.dir", "tuned")
+#: keys the tune sets for each trial: never in its extra overrides
+RESERVED = (*RUN_KEYS, "partition.val_fraction", "eval.split")
 TRAIN_COMMAND = (sys.executable, "-m", "fedfew.train")
+#: what precedes the algorithms runnable_algorithms left out, on the console
+LEFT_OUT = "left out (they cannot run on this setup; name them in ALGORITHMS to see the error): "
 
 
 class TuneError(RuntimeError):
@@ -262,9 +269,6 @@ def runnable_algorithms(algorithms: Sequence[str], named: bool,
             skipped.append(f"{alg} ({' '.join(str(why).split())})")
             continue
         kept[alg] = cfg
-    if skipped:
-        _echo("left out (they cannot run on this setup; name them in ALGORITHMS to see the error): "
-              + "; ".join(skipped))
     if not kept:
         raise TuneError("no algorithm can run on this setup: " + "; ".join(skipped))
     return kept, skipped
@@ -632,7 +636,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--sampler-seed", type=int, default=0, help="seed of the TPE sampler (default 0)")
     parser.add_argument("--startup", type=int, default=4,
                         help="random trials before TPE starts modelling (default 4)")
-    parser.add_argument("--out", default=None, help="output folder (default outputs/tune/<dataset>)")
+    parser.add_argument("--out", default=None,
+                        help="output folder (default $FEDFEW_OUTPUT_DIR or outputs, then tune/<dataset>, plus the "
+                             "extra overrides as in a run folder's name, e.g. outputs/tune/digits_partition-pathological)")
     parser.add_argument("--install", choices=("auto", "yes", "no"), default="auto",
                         help="also write the presets to conf/tuned: auto (when the extra overrides keep the "
                              "dataset's default setup), yes, no")
@@ -658,6 +664,7 @@ def plans(args: argparse.Namespace) -> list[Plan]:
     """
     from fedfew.algorithms import ALGORITHMS
     from fedfew.overrides import check_overrides
+    from fedfew.runs import setup_folder
 
     if args.trials < 1 or args.jobs < 1:
         raise TuneError(f"--trials ({args.trials}) and --jobs ({args.jobs}) must be >= 1")
@@ -680,7 +687,7 @@ def plans(args: argparse.Namespace) -> list[Plan]:
         check_overrides(list(args.extra))
     except ValueError as err:
         raise TuneError(str(err)) from err
-    out = Path(args.out or f"outputs/tune/{args.dataset}").expanduser().resolve()
+    out = Path(args.out).expanduser().resolve() if args.out else setup_folder("tune", args.dataset, args.extra)
     startup = args.startup
     fixed = fixed_keys(args.extra)
     made: dict[str, Plan] = {}
@@ -693,9 +700,11 @@ def plans(args: argparse.Namespace) -> list[Plan]:
         made[alg] = Plan(args.dataset, alg, dims, list(args.seeds), args.trials, args.jobs, list(args.extra),
                          args.val_fraction, args.objective, args.sampler_seed, startup, out)
     # a trial of each algorithm with its config defaults is what must validate
-    configs, _ = runnable_algorithms(
+    configs, left_out = runnable_algorithms(
         algorithms, named=bool(args.algorithms),
         overrides_of=lambda alg: made[alg].trial_overrides({}, args.seeds[0], out / "probe")[:-1])
+    if left_out:
+        _echo(LEFT_OUT + "; ".join(left_out))
     result: list[Plan] = []
     for alg, cfg in configs.items():
         plan = made[alg]
@@ -719,9 +728,15 @@ def main(argv: Sequence[str] | None = None, command: Sequence[str] = TRAIN_COMMA
         return 0
     import optuna
 
+    from fedfew.runs import older_setup_folder
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     all_plans = plans(args)
     out = all_plans[0].out
+    older = None if args.out else older_setup_folder("tune", args.dataset, out, "*/study.db")
+    if older:
+        echo(f"note: {older} holds a tune made before the default folder named its setup; to continue "
+             f"it, pass TUNE_OUT={older} (--out)")
     install = args.install == "yes" or (args.install == "auto" and not setup_changing(args.extra))
     command_line = " ".join(shlex.quote(a) for a in ["python", "-m", "fedfew.tune", *argv])
     start = time.perf_counter()

@@ -57,7 +57,8 @@ TASKS ?= $(if $(filter 0,$(GPUS)),1,$(GPUS))
 CPUS ?= 1
 TIME ?= 01:00:00
 PARTITION ?= $(or $(FEDFEW_SLURM_PARTITION),debug)
-SLURM_OUT ?= $(abspath outputs/slurm)
+OUTPUTS := $(or $(FEDFEW_OUTPUT_DIR),outputs)
+SLURM_OUT ?= $(abspath $(OUTPUTS)/slurm)
 ACCELERATOR ?= $(if $(filter 0,$(GPUS)),cpu,gpu)
 
 slurm: $(STAMP)
@@ -68,8 +69,8 @@ slurm: $(STAMP)
 		--python $(abspath $(BIN)/python) --run-root $(SLURM_OUT) --script $(SLURM_OUT)/last.sbatch -- \
 		dataset=$(DATASET) $(DATA_ARG) trainer.accelerator=$(ACCELERATOR) trainer.strategy=ddp $(ARGS)
 
-# compare: every algorithm on the same partitions and budget -> compare.{csv,md} and PNGs in OUT (default
-# outputs/compare/<dataset><ARGS as in a run folder's name>); finished runs are reused (an interrupted
+# compare: every algorithm on the same partitions and budget -> compare.{csv,md} and PNGs in COMPARE_OUT
+# (default outputs/compare/<dataset><ARGS as in a run folder's name>[_presets-<name>]); finished runs are reused (an interrupted
 # comparison resumes: the same command again). ARGS go to every run.
 # ALGORITHMS defaults to every registered one that can run on the setup (docs/algorithms.md);
 # the ones left out (e.g. oracle without client groups) are named, before any run starts.
@@ -78,7 +79,7 @@ slurm: $(STAMP)
 ALGORITHMS ?=
 SEEDS ?= 0
 JOBS ?= 1
-OUT ?=
+COMPARE_OUT ?=
 COMPARE_DATA_DIR := $(or $(DATA_DIR),$(FEDFEW_DATA_DIR),$(wildcard $(SHARED_DATA)))
 
 # PRESETS=<dir>: each method's preset from <dir>/<dataset>_<alg>.yaml (make tune's <out>/presets, tuned for
@@ -87,7 +88,7 @@ PRESETS ?=
 
 compare: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} WANDB_SILENT=true $(BIN)/python -m fedfew.compare --dataset $(DATASET) \
-		$(if $(strip $(ALGORITHMS)),--algorithms $(ALGORITHMS)) --seeds $(SEEDS) $(if $(OUT),--out $(OUT)) --jobs $(JOBS) \
+		$(if $(strip $(ALGORITHMS)),--algorithms $(ALGORITHMS)) --seeds $(SEEDS) $(if $(COMPARE_OUT),--out $(COMPARE_OUT)) --jobs $(JOBS) \
 		$(if $(PRESETS),--presets $(PRESETS)) \
 		-- $(if $(COMPARE_DATA_DIR),data_dir=$(abspath $(COMPARE_DATA_DIR))) $(if $(filter-out 1,$(JOBS)),trainer.threads=1) $(ARGS)
 
@@ -112,7 +113,7 @@ tune: $(STAMP)
 # bench: throughput (engine=loop vs vmap), overhead, FLOP/s, scaling in M and K, memory, the
 # reference preset and devices=1 vs 2 -> $(BENCH_OUT)/bench.{json,md}. ~10 min on 2 CPU cores.
 #   make bench [BENCH_ARGS="--full"]   (--full: the paper's sizes, the default on a GPU)
-BENCH_OUT ?= outputs/bench
+BENCH_OUT ?= $(OUTPUTS)/bench
 BENCH_ARGS ?=
 
 bench: $(STAMP)

@@ -216,6 +216,9 @@ def test_small_comparison_writes_the_table_and_resumes(tmp_path, capsys):
     assert float(rows[MAJORITY]["acc_mean"]) == pytest.approx(sum(majority) / len(majority), abs=1e-6)
     assert "| fedavg |" in (out / "compare.md").read_text()
 
+    # another thread count (JOBS=1 after JOBS=2) is the same experiment: reused, not refused
+    assert compare.main(argv("fedavg", extra=["--", "rounds=2", "num_clients=4", "logger=none"])) == 0
+    assert kept.stat().st_mtime_ns == stamp
     # results made with other overrides are not silently reused
     with pytest.raises(CompareError, match="produced with overrides"):
         compare.main(argv("fedavg", extra=["--", "rounds=3", "num_clients=4", "logger=none", "trainer.threads=1"]))

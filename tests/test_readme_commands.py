@@ -70,12 +70,12 @@ CHEAP: dict[str, tuple[list[str], str]] = {
         ["ARGS=rounds=1 num_clients=6 logger=none trainer.threads=1 hydra.run.dir={tmp}/r"], "client-mean acc"),  # K <= M
     ".venv/bin/python -m fedfew.train algorithm=ifca partition=dirichlet": (
         [*TINY.split(), "hydra.run.dir={tmp}/r"], "client-mean acc"),
-    "make tune DATASET=digits 'ALGORITHMS=fedfew fedavg fedrep'": (
+    "make tune DATASET=digits 'ALGORITHMS=fedfew fedavg fedrep' JOBS=2 INSTALL=no": (
         ["ALGORITHMS=fedavg", "TRIALS=1", "TUNE_OUT={tmp}/tune", "INSTALL=no",
          "ARGS=rounds=1 num_clients=4 trainer.threads=1"],
         "presets written to"),
     "make compare DATASET=digits 'ALGORITHMS=fedfew fedavg fedrep' 'SEEDS=0 1 2' JOBS=2": (
-        ["SEEDS=0", "OUT={tmp}/compare", "ARGS=rounds=1 num_clients=4"], "compare.md"),  # JOBS=2: one thread each
+        ["SEEDS=0", "COMPARE_OUT={tmp}/compare", "ARGS=rounds=1 num_clients=4"], "compare.md"),  # JOBS=2: one thread each
     "make train 'ARGS=trainer.devices=2 trainer.accelerator=cpu trainer.strategy=ddp'": (
         [f"ARGS={TINY} hydra.run.dir={{tmp}}/r"], "client-mean acc"),
     "make slurm DATASET=agnews DATA_DIR=/data NODES=2 GPUS=4 TIME=04:00:00": (
@@ -128,7 +128,7 @@ def test_cheap_form_keeps_the_readme_command_and_overrides_its_keys():
                                   "hydra.run.dir=/t/r"]
     argv = cheap_form("make compare DATASET=digits 'ALGORITHMS=fedfew fedavg fedrep' 'SEEDS=0 1 2' JOBS=2", fill)
     assert argv[-7:] == ["compare", "DATASET=digits", "ALGORITHMS=fedfew fedavg fedrep", "SEEDS=0", "JOBS=2",
-                         "OUT=/t/compare", "ARGS=rounds=1 num_clients=4"]
+                         "COMPARE_OUT=/t/compare", "ARGS=rounds=1 num_clients=4"]
     argv = cheap_form(".venv/bin/python -m fedfew.plots 'outputs/digits/fedfew/<run>'", fill)
     assert argv == [sys.executable, "-m", "fedfew.plots", "/r"]
 

@@ -36,6 +36,25 @@ def test_run_suffix_is_short_readable_and_pastable():
     assert OverridesParser.create().parse_override(f"hydra.run.dir={folder}").value() == folder
 
 
+def test_setup_folders_keep_setups_apart_and_ignore_what_does_not_change_results(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDFEW_OUTPUT_DIR", str(tmp_path))
+    assert runs.setup_folder("compare", "digits", []) == tmp_path / "compare" / "digits"
+    assert runs.setup_folder("tune", "digits", ["partition=pathological", "trainer.threads=1", "data_dir=/d"]) == (
+        tmp_path / "tune" / "digits_partition-pathological")
+    # a tuned setup with its presets fits whole (up to SETUP_SUFFIX characters, not a run folder's 60)
+    both = runs.setup_folder("compare", "digits", ["partition=pathological", "presets=digits_partition-pathological"])
+    assert both.name == "digits_partition-pathological_presets-digits_partition-pathological"
+    # setups whose names are cut (_+N) and differ only in what was cut still get two folders
+    long = [f"optim.key{i}=value{i}" for i in range(12)]
+    a, b = (runs.setup_folder("compare", "digits", [*long, f"optim.lr={lr}"]) for lr in (0.1, 0.2))
+    assert a != b and "_+" in a.name and a.name.split("-")[:-1] == b.name.split("-")[:-1]
+    assert a == runs.setup_folder("compare", "digits", [*long, "optim.lr=0.1", "trainer.threads=1"])
+    # what two runs must share to be the same experiment: not threads, logging or the run folder
+    assert runs.result_overrides(["algorithm.K=5", "trainer.threads=1", "logger=none", "+logger.tags=[a]",
+                                  "hydra.run.dir=/x", "checkpoint_every=5", "data_dir=/d", "seed=1"]) == [
+        "algorithm.K=5", "data_dir=/d", "seed=1"]
+
+
 def test_where_lines_name_the_folder_notebook_and_plots(tmp_path, monkeypatch):
     run_dir = tmp_path / "outputs" / "digits" / "fedfew" / "2026-01-01_12-00-00_K-5"
     monkeypatch.chdir(tmp_path)  # not the checkout: the notebook command works from anywhere

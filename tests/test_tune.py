@@ -183,6 +183,10 @@ def test_study_is_reproducible_resumes_and_writes_a_preset(tmp_path, fake):
                    "partition.val_fraction=0.2", "never read", "# tuned for: digits, dirichlet (alpha=0.5), M=4 clients, 3 rounds"):
         assert needle in text
     assert tune.preset_overrides(whole / "presets" / "digits_fedavg.yaml") == [f"optim.lr={chosen['optim.lr']}"]
+    # another thread count or logger is the same study (JOBS=1 after JOBS=2): resumed, nothing rerun
+    before = len(log.read_text().splitlines())
+    assert tune.main([*argv(whole, 5), "trainer.threads=2"], command=command) == 0
+    assert len(log.read_text().splitlines()) == before
     # the same folder with other settings is refused, not mixed
     with pytest.raises(TuneError, match="other settings"):
         tune.main(argv(whole, 5, "--val-fraction", "0.3"), command=command)

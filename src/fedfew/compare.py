@@ -165,12 +165,16 @@ def recorded_overrides(run: Run) -> list[str] | None:
 
 
 def check_reusable(run: Run) -> None:
-    """Raise :class:`CompareError` when ``run``'s results come from different overrides."""
+    """Raise :class:`CompareError` when ``run``'s results come from different overrides (those that
+    change results: another thread count, e.g. JOBS=1 after JOBS=2, does not count,
+    :func:`fedfew.runs.result_overrides`)."""
+    from fedfew.runs import result_overrides
+
     recorded = recorded_overrides(run)
-    if recorded is not None and recorded != run.task_overrides():
+    if recorded is not None and result_overrides(recorded) != result_overrides(run.task_overrides()):
         raise CompareError(
             f"{run.results_path} was produced with overrides {recorded}, this comparison asks for "
-            f"{run.task_overrides()}; use another --out (OUT=...) or delete {run.dir}"
+            f"{run.task_overrides()}; use another --out (COMPARE_OUT=...) or delete {run.dir}"
         )
 
 
@@ -777,7 +781,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         older = older_setup_folder("compare", args.dataset, out, "*/seed*/results.json")
         if older:
             _echo(f"note: {older} holds runs of a comparison made before the default folder named its setup; "
-                  f"to continue that comparison, pass OUT={older} (--out)")
+                  f"to continue that comparison, pass COMPARE_OUT={older} (--out)")
     presets = {alg: preset_for(args.dataset, alg, args.presets, args.extra) for alg in algorithms}
     try:  # every run config is checked before any run starts (the default list leaves out what cannot run)
         configs, left_out = runnable_algorithms(

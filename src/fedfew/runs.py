@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import os
 import re
@@ -38,6 +39,8 @@ EXCLUDED = ("dataset", "algorithm", "data_dir", "trainer.threads", "resume", "sa
             "logger", "logger.", "hydra.", "fail_on_nonfinite")
 #: longest ``<overrides>`` part of a run folder's name, in characters
 MAX_SUFFIX = 60
+#: longest setup part of make tune's and make compare's default folder names (:func:`setup_folder`)
+SETUP_SUFFIX = 120
 #: a run without results.json counts as running when a file of it changed this recently
 RUNNING_WINDOW_S = 600.0
 RESOLVER = "fedfew.run_suffix"
@@ -48,13 +51,29 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
 
 
-def _excluded(key: str) -> bool:
-    return any(key == e or (e.endswith(".") and key.startswith(e)) for e in EXCLUDED)
+def _excluded(key: str, excluded: Iterable[str] = EXCLUDED) -> bool:
+    return any(key == e or (e.endswith(".") and key.startswith(e)) for e in excluded)
 
 
-def run_suffix(overrides: Iterable[str]) -> str:
+#: overrides that change how a run is done, not its figures beyond float rounding (threads, logging,
+#: checkpoints, the run folder): a comparison reuses, and a tune resumes, across them (make compare
+#: and make tune set trainer.threads=1 with JOBS > 1 only)
+RESULT_NEUTRAL = tuple(e for e in EXCLUDED if e not in ("dataset", "algorithm", "data_dir"))
+
+
+def result_overrides(overrides: Iterable[str]) -> list[str]:
+    """``overrides`` without the :data:`RESULT_NEUTRAL` ones, in order: what two runs must share
+    to count as the same experiment.
+
+    >>> result_overrides(["algorithm.K=5", "trainer.threads=1", "logger=none", "data_dir=/d"])
+    ['algorithm.K=5', 'data_dir=/d']
+    """
+    return [o for o in map(str, overrides) if not _excluded(o.split("=", 1)[0].lstrip("+~"), RESULT_NEUTRAL)]
+
+
+def run_suffix(overrides: Iterable[str], limit: int = MAX_SUFFIX) -> str:
     """``_<overrides>`` for a run folder's name from Hydra's task overrides (``""`` without any
-    kept); see the module docstring.
+    kept); see the module docstring. ``limit``: the longest suffix, in characters.
 
     >>> run_suffix(["algorithm.K=5", "partition=pathological", "data_dir=/data", "+dataset.augment=true"])
     '_K-5_partition-pathological_augment-true'
@@ -70,7 +89,7 @@ def run_suffix(overrides: Iterable[str]) -> str:
     kept, length = [], 0
     for i, item in enumerate(items):
         more = len(items) - i - 1
-        budget = MAX_SUFFIX - (len(f"_+{more}") if more else 0)
+        budget = limit - (len(f"_+{more}") if more else 0)
         if length + 1 + len(item) > budget:
             break
         kept.append(item)
@@ -84,9 +103,15 @@ def setup_folder(kind: str, dataset: str, extra: Iterable[str]) -> Path:
     tune`` (kind ``tune``) and ``make compare`` (kind ``compare``): the setup is named from the
     extra overrides as a run folder's name is (:func:`run_suffix`), so tunes or comparisons of
     different setups never meet each other's runs, e.g. ``outputs/compare/digits_partition-dirichlet``.
-    Absolute (resolved against the working directory, as Hydra's run folders are)."""
+    The setup part is at most :data:`SETUP_SUFFIX` characters; when overrides are left out of it
+    (``_+N``), an 8-hex digest of all of them follows (``_+2-1a2b3c4d``), so two setups still get
+    two folders. Absolute (resolved against the working directory, as Hydra's run folders are)."""
     root = Path(os.environ.get("FEDFEW_OUTPUT_DIR") or "outputs")  # where runs go too (conf/config.yaml)
-    return (root / kind / f"{dataset}{run_suffix(extra)}").expanduser().resolve()
+    suffix = run_suffix(extra, limit=SETUP_SUFFIX)
+    if re.search(r"_\+\d+$", suffix):  # overrides left out of the name: a digest of all keeps setups apart
+        named = [o for o in map(str, extra) if "=" in o and not _excluded(o.split("=", 1)[0].lstrip("+~"))]
+        suffix += "-" + hashlib.sha1(" ".join(named).encode()).hexdigest()[:8]
+    return (root / kind / f"{dataset}{suffix}").expanduser().resolve()
 
 
 def older_setup_folder(kind: str, dataset: str, out: Path, marker: str) -> Path | None:

@@ -423,13 +423,20 @@ def open_study(plan: Plan):
     storage = f"sqlite:///{plan.dir / 'study.db'}"
     study = optuna.create_study(study_name=f"{plan.dataset}_{plan.algorithm}", storage=storage,
                                 direction="maximize", load_if_exists=True)
+    from fedfew.runs import result_overrides
+
+    def identity(settings: dict[str, Any]) -> dict[str, Any]:
+        # another thread count (JOBS=1 after JOBS=2) or logger is the same study
+        return {**settings, "extra": result_overrides(settings.get("extra", []))}
+
     recorded = study.user_attrs.get("settings")
+    wanted = json.loads(json.dumps(plan.settings))
     if recorded is None:
         study.set_user_attr("settings", plan.settings)
-    elif recorded != json.loads(json.dumps(plan.settings)):
-        changed = sorted(k for k in set(recorded) | set(plan.settings) if recorded.get(k) != plan.settings.get(k))
+    elif identity(recorded) != identity(wanted):
+        changed = sorted(k for k in set(recorded) | set(wanted) if identity(recorded).get(k) != identity(wanted).get(k))
         raise TuneError(f"{plan.dir} holds a tune of {plan.algorithm} made with other settings ({', '.join(changed)}); "
-                        f"use another --out (OUT=...) or delete {plan.dir}")
+                        f"use another --out (TUNE_OUT=...) or delete {plan.dir}")
     return study
 
 

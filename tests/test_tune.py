@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -274,21 +275,24 @@ def test_tuning_never_reads_the_test_labels(tmp_path):
     plain, shuffled = [sys.executable, "-m", "fedfew.train"], [sys.executable, str(wrapper)]
     extra = ["--", "partition=dirichlet", "num_clients=4", "rounds=2", "eval_every=1", "trainer.threads=1"]
 
-    def run(out, command, trials):
+    def start(out, command, trials):
         args = ["--dataset", "digits", "--algorithms", "fedfew", "--trials", str(trials), "--out", str(out),
                 "--install", "no", "--startup", "1", *extra]  # trial 2: TPE, chosen from trial 1's score
-        assert tune.main(args, command=command) == 0
+        # each tune in its own process, the two at once (their runs use one thread each)
+        code = f"import sys; from fedfew import tune; sys.exit(tune.main(sys.argv[1:], command={command!r}))"
+        return subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
 
     # (resuming is checked in test_study_is_reproducible_resumes_and_writes_a_preset)
-    run(tmp_path / "plain", plain, 2)
-    run(tmp_path / "shuffled", shuffled, 2)
+    tunes = [start(tmp_path / "plain", plain, 2), start(tmp_path / "shuffled", shuffled, 2)]
+    for proc in tunes:
+        output, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, output[-3000:]
     assert trial_values(tmp_path / "plain", "fedfew") == trial_values(tmp_path / "shuffled", "fedfew")
     body = [(tmp_path / d / "presets" / "digits_fedfew.yaml").read_text().split("# command:")[1].splitlines()[1:]
             for d in ("plain", "shuffled")]
     assert body[0] == body[1] and any(line.startswith("optim:") for line in body[0])
     # the check can fail: scored on test, the same run sees the shuffled labels
-    import subprocess
-
     procs = {name: subprocess.Popen([*command, "partition=dirichlet", "num_clients=4", "rounds=2", "logger=none",
                                      "trainer.threads=1", f"hydra.run.dir={tmp_path / name}"], cwd=ROOT,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

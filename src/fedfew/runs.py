@@ -118,7 +118,7 @@ def older_setup_folder(kind: str, dataset: str, out: Path, marker: str) -> Path 
     """``<root>/<kind>/<dataset>`` when it holds work (a file matching ``marker``) and ``out``,
     the folder named after the setup, does not exist yet: such a folder was made before default
     folders named their setup (every setup went there), and the user may want to continue it
-    with ``OUT=`` / ``TUNE_OUT=``. None otherwise."""
+    with ``COMPARE_OUT=`` / ``TUNE_OUT=``. None otherwise."""
     older = setup_folder(kind, dataset, [])
     if out != older and not out.exists() and any(older.glob(marker)):
         return older

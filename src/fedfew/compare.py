@@ -1,7 +1,7 @@
 """Run several algorithms on the same partitions and seeds and tabulate them (``make compare``).
 
     python -m fedfew.compare --dataset digits --algorithms fedfew fedavg ifca --seeds 0 1 2 \\
-        --out outputs/compare/digits -- rounds=20 data_dir=/path/to/data
+        -- rounds=20 data_dir=/path/to/data     # -> outputs/compare/digits_rounds-20
 
 Every (algorithm, seed) is one isolated subprocess ``python -m fedfew.train dataset=<dataset>
 algorithm=<alg> seed=<seed> ~tuned <preset values> <extra overrides> hydra.run.dir=<out>/<alg>/seed<seed>``.
@@ -12,7 +12,8 @@ as explicit overrides, so a changed preset is never mistaken for a finished run.
 overrides (after ``--``) go to every run and win over the presets. The partition is derived
 from the seed alone, and its hash is checked to be the same for every algorithm of a seed. A run
 whose ``results.json`` exists is reused, so an interrupted comparison resumes where it stopped;
-reusing results produced with different overrides is refused.
+reusing results produced with different overrides is refused (a thread count or logger does not
+count: :func:`fedfew.runs.result_overrides`). User guide: docs/compare.md.
 
 An override for one method's own key (``algorithm.K=5``) fails for the algorithms without that
 key; ``++algorithm.K=5`` adds it where missing (ignored there), or compare that method apart.

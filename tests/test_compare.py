@@ -180,6 +180,18 @@ def test_algorithms_that_cannot_run_are_named_or_left_out_before_any_run(tmp_pat
     assert sorted(r.algorithm for r in started if r.seed == 0) == sorted(expected) and len(started) == 2 * len(expected)
     out = capsys.readouterr().out
     assert "left out" in out and "oracle (" in out and "fedbn (" in out
+    # a key only the named methods define is theirs (fedfew, the config default, lacks it) ...
+    started.clear()
+    with pytest.raises(Started):
+        compare.main(["--algorithms", "fedprox", "--out", str(tmp_path), "--", "algorithm.mu_prox=0.05"])
+    assert [r.algorithm for r in started] == ["fedprox"]
+    # ... but a key none of them defines is refused, named with the closest valid one
+    with pytest.raises(CompareError, match="closest valid key: algorithm.mu_prox"):
+        compare.main(["--algorithms", "fedprox", "fedavg", "--out", str(tmp_path), "--", "algorithm.mu_prx=0.05"])
+    # oracle with a K other than the number of groups is left out of the default list, not failed at run time
+    kept, left_out = tune.runnable_algorithms(
+        ["oracle", "fedfew"], named=False, overrides_of=lambda alg: [f"algorithm={alg}", "algorithm.K=5"])
+    assert list(kept) == ["fedfew"] and "algorithm.K=5 and partition.groups=4" in left_out[0]
 
 
 @pytest.mark.slow
@@ -234,3 +246,21 @@ def test_run_paths_and_overrides(tmp_path):
     tuned = Run("ifca", 2, tmp_path, ("optim.lr=0.1",), "agnews", ("~tuned", "optim.lr=0.2"), "p.yaml")
     assert tuned.task_overrides() == ["dataset=agnews", "algorithm=ifca", "seed=2", "~tuned", "optim.lr=0.2",
                                       "optim.lr=0.1"]  # the preset first, so the extra overrides win
+
+
+def test_a_failed_run_stays_out_of_the_table_even_with_results(tmp_path, monkeypatch):
+    """A run that exited non-zero after writing results.json is reported failed and not tabulated."""
+    class Collected(Exception):
+        pass
+
+    def run_all(runs, jobs):
+        return {r: ("failed" if r.algorithm == "fedavg" else "done") for r in runs}
+
+    def collect(runs):
+        raise Collected(sorted(r.algorithm for r in runs))
+
+    monkeypatch.setattr(compare, "run_all", run_all)
+    monkeypatch.setattr(compare, "collect", collect)
+    with pytest.raises(Collected) as info:
+        compare.main(["--algorithms", "fedavg", "local", "--out", str(tmp_path), "--", "rounds=2"])
+    assert info.value.args[0] == ["local"]

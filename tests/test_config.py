@@ -34,6 +34,7 @@ def test_default_config_is_valid():
         ("optim.name=rmsprop", "optim.name='rmsprop': allowed sgd | adam | adamw"),
         ("engine=jit", "engine='jit': allowed loop | vmap"),
         ("engine=vmap optim.name=adam", "engine=vmap with optim.name='adam'"),
+        ("algorithm=oracle algorithm.K=3", "algorithm=oracle with algorithm.K=3 and partition.groups=4"),
         ("optim.schedule=linear", "optim.schedule='linear': allowed constant | exponential | cosine"),
         ("optim.gamma=0.0", "optim.gamma=0.0: allowed number in (0, 1]"),
         ("dataset=agnews model.embed_lr_scale=0", "model.embed_lr_scale=0: allowed number > 0"),

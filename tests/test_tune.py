@@ -103,6 +103,9 @@ def test_the_default_list_leaves_out_what_cannot_run_and_a_named_one_is_an_error
     with pytest.raises(TuneError, match="oracle.*use partition=clustered"):
         tune.plans(tune.parse_args(["--algorithms", "oracle", "--out", str(tmp_path), "--", "partition=dirichlet"]))
     assert not tmp_path.joinpath("oracle").exists()
+    # a key only the named method defines is its own (fedfew, the config default, lacks it): fixed, not searched
+    plan, = tune.plans(tune.parse_args(["--algorithms", "fedprox", "--out", str(tmp_path), "--", "algorithm.mu_prox=0.05"]))
+    assert [d.key for d in plan.space] == ["optim.lr"] and plan.cfg.algorithm.mu_prox == 0.05
 
 
 def test_the_default_folder_names_the_setup_and_points_to_an_older_one(tmp_path, monkeypatch, capsys):

@@ -758,9 +758,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     algorithms = args.algorithms or default_algorithms()
     from fedfew.algorithms import ALGORITHMS
-    from fedfew.overrides import check_overrides
     from fedfew.runs import older_setup_folder
-    from fedfew.tune import LEFT_OUT, RUN_KEYS, TuneError, runnable_algorithms
+    from fedfew.tune import LEFT_OUT, RUN_KEYS, TuneError, check_extra_keys, runnable_algorithms
 
     for alg in algorithms:
         ALGORITHMS.get(alg)  # unknown names fail here, with the list of known ones
@@ -771,9 +770,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.presets not in (None, "none") and not Path(args.presets).expanduser().is_dir():
         raise CompareError(f"--presets {args.presets}: no such folder (make tune writes <out>/presets; "
                            "'none' runs every method with its config defaults)")
-    try:
-        check_overrides(list(args.extra))  # unknown keys, with the closest valid one
-    except ValueError as err:
+    try:  # a key no method of the list defines, with the closest valid one
+        check_extra_keys(algorithms, args.extra)
+    except TuneError as err:
         raise CompareError(str(err)) from err
     if args.out:
         out = Path(args.out).expanduser().resolve()
@@ -799,7 +798,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for alg in algorithms]
     start = time.perf_counter()
     status = run_all(runs, jobs=args.jobs)
-    results = collect(runs)
+    results = collect([r for r in runs if status.get(r) != "failed"])  # a failed run's partial results stay out
     rows, warnings = summarize(results, algorithms, reference, {a: p[1] for a, p in presets.items()})
     title, notes = describe(rows, results, args.dataset, args.seeds, reference)
     if left_out:

@@ -211,6 +211,11 @@ def validate_config(cfg: DictConfig) -> None:
     if _lookup(cfg, "algorithm.name") == "oracle" and cfg.partition.name != "clustered":
         problems.append(f"  algorithm=oracle with partition={cfg.partition.name}: the oracle trains one model per "
                         "known client group; use partition=clustered")
+    elif _lookup(cfg, "algorithm.name") == "oracle":
+        K, G = _lookup(cfg, "algorithm.K"), _lookup(cfg, "partition.groups")
+        if _is_int(K) and _is_int(G) and K != G:
+            problems.append(f"  algorithm=oracle with algorithm.K={K} and partition.groups={G}: the oracle trains one "
+                            "model per group; leave algorithm.K at its default (partition.groups)")
     if _lookup(cfg, "algorithm.name") == "fedbn" and _lookup(cfg, "model.norm") == "none":
         problems.append(f"  algorithm=fedbn with model.norm=none: FedBN keeps each client's BatchNorm layers local and "
                         f"model {_lookup(cfg, 'model.name')} has none; use model.norm=batch (or model=resnet18)")

@@ -234,6 +234,27 @@ def compose(overrides: Sequence[str]):
         restore_gh_from_backup(backup)
 
 
+def check_extra_keys(algorithms: Sequence[str], extra: Sequence[str]) -> None:
+    """Refuse, before any run, an override key that none of ``algorithms`` defines (a typo), naming
+    the closest valid key; a key only some of them define (``algorithm.mu_prox`` for fedprox) passes
+    here and is judged per method by :func:`runnable_algorithms`.
+
+    Raises:
+        TuneError: the message of :func:`fedfew.overrides.check_overrides` for the first algorithm.
+    """
+    from fedfew.overrides import check_overrides
+
+    first: ValueError | None = None
+    for alg in algorithms:
+        try:
+            check_overrides([f"algorithm={alg}", *extra])
+            return
+        except ValueError as err:
+            first = first or err
+    if first is not None:
+        raise TuneError(str(first)) from first
+
+
 def runnable_algorithms(algorithms: Sequence[str], named: bool,
                         overrides_of: Callable[[str], Sequence[str]]) -> tuple[dict[str, Any], list[str]]:
     """The algorithms whose run config validates, with that config, checked before any run
@@ -670,7 +691,6 @@ def plans(args: argparse.Namespace) -> list[Plan]:
             validate.
     """
     from fedfew.algorithms import ALGORITHMS
-    from fedfew.overrides import check_overrides
     from fedfew.runs import setup_folder
 
     if args.trials < 1 or args.jobs < 1:
@@ -690,10 +710,7 @@ def plans(args: argparse.Namespace) -> list[Plan]:
         raise TuneError(f"unknown algorithm(s) {unknown}; known: {', '.join(sorted(ALGORITHMS.names()))}")
     if len(set(algorithms)) != len(algorithms):
         raise TuneError(f"an algorithm is listed twice: {algorithms}")
-    try:
-        check_overrides(list(args.extra))
-    except ValueError as err:
-        raise TuneError(str(err)) from err
+    check_extra_keys(algorithms, args.extra)
     out = Path(args.out).expanduser().resolve() if args.out else setup_folder("tune", args.dataset, args.extra)
     startup = args.startup
     fixed = fixed_keys(args.extra)

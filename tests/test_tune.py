@@ -123,8 +123,13 @@ def test_the_default_folder_names_the_setup_and_points_to_an_older_one(tmp_path,
     new = tmp_path / "tune" / "digits_partition-pathological"
     assert older_setup_folder("tune", "digits", new, "*/study.db") == tmp_path / "tune" / "digits"
     assert older_setup_folder("tune", "digits", tmp_path / "tune" / "digits", "*/study.db") is None
+    from fedfew.runs import older_setup_note
+
+    assert older_setup_note("tune", "digits", new) == (
+        f"note: {tmp_path / 'tune' / 'digits'} holds a tune made before the default folder named its setup; "
+        f"to continue it, pass TUNE_OUT={tmp_path / 'tune' / 'digits'} (--out)")
     new.mkdir()  # once the new folder exists it is the one in use: no note
-    assert older_setup_folder("tune", "digits", new, "*/study.db") is None
+    assert older_setup_folder("tune", "digits", new, "*/study.db") is None and older_setup_note("tune", "digits", new) is None
 
 
 def test_malformed_dimensions_are_named():

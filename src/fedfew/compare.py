@@ -758,7 +758,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     algorithms = args.algorithms or default_algorithms()
     from fedfew.algorithms import ALGORITHMS
-    from fedfew.runs import older_setup_folder
+    from fedfew.runs import older_setup_note
     from fedfew.tune import LEFT_OUT, RUN_KEYS, TuneError, check_extra_keys, runnable_algorithms
 
     for alg in algorithms:
@@ -778,10 +778,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = Path(args.out).expanduser().resolve()
     else:
         out = default_out(args.dataset, args.extra, args.presets)
-        older = older_setup_folder("compare", args.dataset, out, "*/seed*/results.json")
-        if older:
-            _echo(f"note: {older} holds runs of a comparison made before the default folder named its setup; "
-                  f"to continue that comparison, pass COMPARE_OUT={older} (--out)")
+        note = older_setup_note("compare", args.dataset, out)
+        if note:
+            _echo(note)
     presets = {alg: preset_for(args.dataset, alg, args.presets, args.extra) for alg in algorithms}
     try:  # every run config is checked before any run starts (the default list leaves out what cannot run)
         configs, left_out = runnable_algorithms(

@@ -71,6 +71,12 @@ def result_overrides(overrides: Iterable[str]) -> list[str]:
     return [o for o in map(str, overrides) if not _excluded(o.split("=", 1)[0].lstrip("+~"), RESULT_NEUTRAL)]
 
 
+def _named(overrides: Iterable[str]) -> list[str]:
+    """The overrides a folder's name shows: key=value ones, neither deletions nor :data:`EXCLUDED`."""
+    return [t for t in map(str, overrides)
+            if "=" in t and not t.startswith("~") and not _excluded(t.split("=", 1)[0].lstrip("+~"))]
+
+
 def run_suffix(overrides: Iterable[str], limit: int = MAX_SUFFIX) -> str:
     """``_<overrides>`` for a run folder's name from Hydra's task overrides (``""`` without any
     kept); see the module docstring. ``limit``: the longest suffix, in characters.
@@ -79,11 +85,9 @@ def run_suffix(overrides: Iterable[str], limit: int = MAX_SUFFIX) -> str:
     '_K-5_partition-pathological_augment-true'
     """
     items = []
-    for text in overrides:
-        key, sep, value = str(text).partition("=")
+    for text in _named(overrides):
+        key, _, value = text.partition("=")
         key = key.lstrip("+~")
-        if not sep or _excluded(key) or str(text).startswith("~"):
-            continue
         short = key.split("/")[-1].rsplit(".", 1)[-1]
         items.append(_UNSAFE.sub("_", f"{short}-{value}").strip("_") or short)
     kept, length = [], 0
@@ -109,8 +113,7 @@ def setup_folder(kind: str, dataset: str, extra: Iterable[str]) -> Path:
     root = Path(os.environ.get("FEDFEW_OUTPUT_DIR") or "outputs")  # where runs go too (conf/config.yaml)
     suffix = run_suffix(extra, limit=SETUP_SUFFIX)
     if re.search(r"_\+\d+$", suffix):  # overrides left out of the name: a digest of all keeps setups apart
-        named = [o for o in map(str, extra) if "=" in o and not _excluded(o.split("=", 1)[0].lstrip("+~"))]
-        suffix += "-" + hashlib.sha1(" ".join(named).encode()).hexdigest()[:8]
+        suffix += "-" + hashlib.sha1(" ".join(_named(extra)).encode()).hexdigest()[:8]
     return (root / kind / f"{dataset}{suffix}").expanduser().resolve()
 
 
@@ -123,6 +126,21 @@ def older_setup_folder(kind: str, dataset: str, out: Path, marker: str) -> Path 
     if out != older and not out.exists() and any(older.glob(marker)):
         return older
     return None
+
+
+#: the make variable that chooses each kind's folder, and what its folder holds
+_SETUP_KINDS = {"compare": ("COMPARE_OUT", "*/seed*/results.json"), "tune": ("TUNE_OUT", "*/study.db")}
+
+
+def older_setup_note(kind: str, dataset: str, out: Path) -> str | None:
+    """The line that points a user of ``make <kind>`` (``compare`` or ``tune``) to the folder of
+    :func:`older_setup_folder`, or None when there is none."""
+    variable, marker = _SETUP_KINDS[kind]
+    older = older_setup_folder(kind, dataset, out, marker)
+    if older is None:
+        return None
+    return (f"note: {older} holds a {kind} made before the default folder named its setup; to continue it, "
+            f"pass {variable}={older} (--out)")
 
 
 def register_resolvers() -> None:

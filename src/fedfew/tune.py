@@ -455,7 +455,8 @@ def open_study(plan: Plan):
     if recorded is None:
         study.set_user_attr("settings", plan.settings)
     elif identity(recorded) != identity(wanted):
-        changed = sorted(k for k in set(recorded) | set(wanted) if identity(recorded).get(k) != identity(wanted).get(k))
+        old, new = identity(recorded), identity(wanted)
+        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
         raise TuneError(f"{plan.dir} holds a tune of {plan.algorithm} made with other settings ({', '.join(changed)}); "
                         f"use another --out (TUNE_OUT=...) or delete {plan.dir}")
     return study
@@ -752,15 +753,14 @@ def main(argv: Sequence[str] | None = None, command: Sequence[str] = TRAIN_COMMA
         return 0
     import optuna
 
-    from fedfew.runs import older_setup_folder
+    from fedfew.runs import older_setup_note
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     all_plans = plans(args)
     out = all_plans[0].out
-    older = None if args.out else older_setup_folder("tune", args.dataset, out, "*/study.db")
-    if older:
-        echo(f"note: {older} holds a tune made before the default folder named its setup; to continue "
-             f"it, pass TUNE_OUT={older} (--out)")
+    note = None if args.out else older_setup_note("tune", args.dataset, out)
+    if note:
+        echo(note)
     install = args.install == "yes" or (args.install == "auto" and not setup_changing(args.extra))
     command_line = " ".join(shlex.quote(a) for a in ["python", "-m", "fedfew.tune", *argv])
     start = time.perf_counter()

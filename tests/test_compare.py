@@ -264,3 +264,59 @@ def test_a_failed_run_stays_out_of_the_table_even_with_results(tmp_path, monkeyp
     with pytest.raises(Collected) as info:
         compare.main(["--algorithms", "fedavg", "local", "--out", str(tmp_path), "--", "rounds=2"])
     assert info.value.args[0] == ["local"]
+
+
+def test_an_interrupted_run_continues_from_its_checkpoint_with_the_same_figures(tmp_path, capsys):
+    """A run cut short after its checkpoint (here: results.json removed after a run that kept its
+    round-2 checkpoint) is continued from round 3, not redone, and gives the same figures; a
+    checkpoint made with other overrides is refused like stale results."""
+    out = tmp_path / "cmp"
+
+    def argv(*extra):
+        return ["--dataset", "digits", "--algorithms", "fedavg", "--seeds", "0", "--out", str(out), "--",
+                "rounds=3", "num_clients=4", "logger=none", "trainer.threads=1", *extra]
+
+    assert compare.main(argv("checkpoint_every=2")) == 0   # set by the user: the checkpoint is kept
+    run = out / "fedavg" / "seed0"
+    whole = json.loads((run / "results.json").read_text())
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    (run / "results.json").unlink()
+    capsys.readouterr()
+    assert compare.main(argv("checkpoint_every=2")) == 0
+    assert "(continuing from its checkpoint)" in capsys.readouterr().out
+    log = (out / "logs" / "fedavg_seed0.log").read_text()
+    assert f"resume={run / 'checkpoints' / 'last.ckpt'}" in log and "at round 3" in log
+    resumed = json.loads((run / "results.json").read_text())
+    assert resumed["summary"]["acc_mean"] == whole["summary"]["acc_mean"]
+    assert [c["acc"] for c in resumed["clients"]] == [c["acc"] for c in whole["clients"]]
+    assert resumed["evaluations"] == whole["evaluations"]
+    (run / "results.json").unlink()
+    with pytest.raises(CompareError, match="the checkpoint in .* was produced with overrides"):
+        compare.main(argv("checkpoint_every=2", "optim.lr=0.05"))
+
+
+def test_launched_runs_checkpoint_and_drop_the_checkpoint_when_done(tmp_path):
+    """fedfew.launch adds checkpoint_every (unless set) and resume (when a checkpoint exists), and
+    deletes the checkpoint after a successful run it added checkpointing to."""
+    import sys
+
+    from fedfew import launch
+
+    script = tmp_path / "fake.py"
+    script.write_text("import json, os, sys\n"
+                      "args = dict(a.split('=', 1) for a in sys.argv[1:])\n"
+                      "print(sorted(args))\n"
+                      "open(os.path.join(args['hydra.run.dir'], 'results.json'), 'w').write('{}')\n")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    code, _, _, resumed = launch.launch([f"hydra.run.dir={run}"], run, tmp_path / "a.log", (sys.executable, str(script)))
+    assert code == 0 and resumed and not (run / "checkpoints").exists()
+    assert "['checkpoint_every', 'hydra.run.dir', 'resume']" in (tmp_path / "a.log").read_text()
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    overrides = [f"hydra.run.dir={run}", "checkpoint_every=0"]
+    code, _, _, resumed = launch.launch(overrides, run, tmp_path / "b.log", (sys.executable, str(script)))
+    assert code == 0 and resumed and (run / "checkpoints" / "last.ckpt").is_file()   # the user's: kept
+    assert "checkpoint_every=5" not in (tmp_path / "b.log").read_text()
+    assert launch.progress(run, ["rounds=2"]) == "done"

@@ -28,7 +28,7 @@ import json, math, os, sys
 args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a and not a.startswith("~"))
 run_dir = args["hydra.run.dir"]
 with open(os.environ["FAKE_LOG"], "a") as log:
-    log.write(run_dir + "\\n")
+    log.write(run_dir + (" resume=" + args["resume"] if "resume" in args else "") + "\\n")
 lr = float(args.get("optim.lr", 0.3))   # the digits config's lr when the trial runs the defaults
 if lr > float(os.environ.get("FAKE_FAIL_ABOVE", "inf")):
     print("diverged on purpose"); sys.exit(1)
@@ -217,6 +217,43 @@ def test_an_interrupted_trial_runs_again_with_its_values_and_a_failed_one_stops_
     with pytest.raises(TuneError, match="(?s)failed; log .*diverged on purpose"):
         tune.main(argv(out, 4), command=command)
     assert len(trial_values(out)) == 3 + 1                           # the finished trials are kept
+
+
+def test_an_interrupted_trial_reuses_its_finished_runs_and_continues_its_checkpoints(tmp_path, fake):
+    """A killed tune's trial folder is taken over by the trial that repeats it: a seed with results
+    is not run again, a seed with a checkpoint is resumed from it, a folder made with other
+    overrides starts afresh."""
+    import optuna
+
+    command, log = fake
+    out = tmp_path / "out"
+    assert tune.main(argv(out, 1, "--seeds", "0", "1", "2"), command=command) == 0
+    study = load(out)
+    lost = study.ask()
+    lr = lost.suggest_float("optim.lr", 0.03, 0.6, log=True)   # left running, as by a killed tune
+    folder = out / "fedavg" / f"trial{lost.number:03d}"
+    acc = 0.4321
+    (folder / "seed0").mkdir(parents=True)                      # seed 0 finished before the kill
+    (folder / "seed0" / "results.json").write_text(json.dumps(
+        {"summary": {"acc_mean": acc, "eval_split": "val"}, "wall_time_s": 123.0,
+         "evaluations": [{"round": r, "acc_mean": acc} for r in (1, 2, 3)]}))
+    (folder / "seed1" / "checkpoints").mkdir(parents=True)      # seed 1 was at a checkpoint
+    (folder / "seed1" / "checkpoints" / "last.ckpt").write_bytes(b"stand-in")
+    (folder / "seed2" / "checkpoints").mkdir(parents=True)      # seed 2's checkpoint is another run's
+    (folder / "seed2" / "checkpoints" / "last.ckpt").write_bytes(b"stand-in")
+    (folder / "seed2" / ".hydra").mkdir()
+    (folder / "seed2" / ".hydra" / "overrides.yaml").write_text("- rounds=99\n")
+    before = len(log.read_text().splitlines())
+    assert tune.main(argv(out, 2, "--seeds", "0", "1", "2"), command=command) == 0
+    new = log.read_text().splitlines()[before:]
+    repeat = max(t.number for t in load(out).get_trials(states=(optuna.trial.TrialState.COMPLETE,)))
+    moved = out / "fedavg" / f"trial{repeat:03d}"
+    assert not folder.exists() and moved.is_dir()
+    assert new == [f"{moved / 'seed1'} resume={moved / 'seed1' / 'checkpoints' / 'last.ckpt'}",
+                   str(moved / "seed2")]                        # seed 0 reused, seed 1 resumed, seed 2 afresh
+    fresh = 1.0 - abs(math.log(float(f"{lr:.3g}") / 0.1)) / 10 - 0.01
+    assert load(out).trials[repeat].value == pytest.approx((acc + 2 * fresh) / 3)
+    assert load(out).trials[repeat].user_attrs["wall_s"] >= 123.0   # the part before the kill counts
 
 
 def test_parallel_trials_finish_the_same_budget(tmp_path, fake):

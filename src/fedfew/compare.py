@@ -13,7 +13,8 @@ overrides (after ``--``) go to every run and win over the presets. The partition
 from the seed alone, and its hash is checked to be the same for every algorithm of a seed. A run
 whose ``results.json`` exists is reused, so an interrupted comparison resumes where it stopped;
 reusing results produced with different overrides is refused (a thread count or logger does not
-count: :func:`fedfew.runs.result_overrides`). User guide: docs/compare.md.
+count: :func:`fedfew.runs.result_overrides`). A run that was cut short continues from its last
+checkpoint (every 5 rounds, :mod:`fedfew.launch`). User guide: docs/compare.md.
 
 An override for one method's own key (``algorithm.K=5``) fails for the algorithms without that
 key; ``++algorithm.K=5`` adds it where missing (ignored there), or compare that method apart.
@@ -41,9 +42,7 @@ import csv
 import io
 import json
 import math
-import os
 import shlex
-import subprocess
 import sys
 import threading
 import time
@@ -52,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from fedfew.checkpoint import checkpoint_path
 from fedfew.io import atomic_write_text
 from fedfew.partition_report import partition_scheme
 
@@ -155,52 +155,37 @@ def preset_score(path: str) -> str:
     return ""
 
 
-def recorded_overrides(run: Run) -> list[str] | None:
-    """The task overrides a finished run was started with (None when not recorded)."""
-    path = run.dir / ".hydra" / "overrides.yaml"
-    if not path.exists():
-        return None
-    from omegaconf import OmegaConf
+def check_reusable(run: Run) -> str:
+    """How far ``run`` got (:func:`fedfew.launch.progress`: ``done``, ``checkpoint`` or ``none``).
 
-    return [str(o) for o in OmegaConf.load(path)]
+    Raises:
+        CompareError: its results or checkpoint come from different overrides (those that change
+            results: another thread count, e.g. JOBS=1 after JOBS=2, does not count,
+            :func:`fedfew.runs.result_overrides`).
+    """
+    from fedfew.launch import progress, recorded_overrides
 
-
-def check_reusable(run: Run) -> None:
-    """Raise :class:`CompareError` when ``run``'s results come from different overrides (those that
-    change results: another thread count, e.g. JOBS=1 after JOBS=2, does not count,
-    :func:`fedfew.runs.result_overrides`)."""
-    from fedfew.runs import result_overrides
-
-    recorded = recorded_overrides(run)
-    if recorded is not None and result_overrides(recorded) != result_overrides(run.task_overrides()):
+    state = progress(run.dir, run.task_overrides())
+    if state == "stale":
+        what = run.results_path if run.results_path.exists() else f"the checkpoint in {run.dir}"
         raise CompareError(
-            f"{run.results_path} was produced with overrides {recorded}, this comparison asks for "
+            f"{what} was produced with overrides {recorded_overrides(run.dir)}, this comparison asks for "
             f"{run.task_overrides()}; use another --out (COMPARE_OUT=...) or delete {run.dir}"
         )
+    return state
 
 
-def execute(run: Run, python: str = sys.executable) -> tuple[bool, float, float]:
-    """Train ``run`` in a subprocess (output to its log file).
+def execute(run: Run, python: str = sys.executable) -> tuple[bool, float, float, bool]:
+    """Train ``run`` in a subprocess (output to its log file), from its checkpoint when it has
+    one (:func:`fedfew.launch.launch`).
 
     Returns:
-        (success, wall seconds, CPU seconds of the subprocess: user + system).
+        (success, wall seconds, CPU seconds of the subprocess: user + system, whether it resumed).
     """
-    run.log_path.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    command = [python, "-m", "fedfew.train", *run.overrides()]
-    with run.log_path.open("w") as log:
-        log.write("$ " + " ".join(command) + "\n")
-        log.flush()
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    ok = proc.returncode == 0 and run.results_path.exists()
-    return ok, time.perf_counter() - start, usage.ru_utime + usage.ru_stime
+    from fedfew.launch import launch
+
+    code, wall, cpu, resumed = launch(run.overrides(), run.dir, run.log_path, (python, "-m", "fedfew.train"))
+    return code == 0 and run.results_path.exists(), wall, cpu, resumed
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -222,31 +207,33 @@ def _echo(line: str) -> None:
 
 def run_all(runs: Sequence[Run], jobs: int = 1, python: str = sys.executable,
             echo=_echo) -> dict[Run, str]:
-    """Run every run without results (``jobs`` at a time); returns run -> status
-    (``reused`` | ``done`` | ``failed``). Stale results raise before anything starts."""
+    """Run every run without results (``jobs`` at a time; one with a checkpoint continues from
+    it); returns run -> status (``reused`` | ``done`` | ``failed``). Stale results or checkpoints
+    raise before anything starts."""
     status: dict[Run, str] = {}
     todo = []
     for run in runs:
-        if run.results_path.exists():
-            check_reusable(run)
+        if check_reusable(run) == "done":
             status[run] = "reused"
         else:
             todo.append(run)
     if status:
         echo(f"reusing {len(status)} finished run(s): " + ", ".join(f"{r.algorithm}/seed{r.seed}" for r in status))
 
-    def one(item: tuple[int, Run]) -> tuple[Run, bool, float, float]:
+    def one(item: tuple[int, Run]) -> tuple[Run, bool, float, float, bool]:
         i, run = item
-        echo(f"[{i}/{len(todo)}] {run.algorithm} seed {run.seed} -> {run.dir}")
+        cont = " (continuing from its checkpoint)" if checkpoint_path(run.dir).is_file() else ""
+        echo(f"[{i}/{len(todo)}] {run.algorithm} seed {run.seed} -> {run.dir}{cont}")
         return (run, *execute(run, python))
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for run, ok, seconds, cpu in pool.map(one, enumerate(todo, 1)):
+        for run, ok, seconds, cpu, resumed in pool.map(one, enumerate(todo, 1)):
             status[run] = "done" if ok else "failed"
             if ok:
                 acc = json.loads(run.results_path.read_text())["summary"]["acc_mean"]
+                part = " for its last part" if resumed else ""
                 echo(f"    {run.algorithm} seed {run.seed}: client-mean acc {acc:.4f} "
-                     f"({seconds:.0f} s wall, {cpu:.0f} s CPU)")
+                     f"({seconds:.0f} s wall, {cpu:.0f} s CPU{part})")
             else:
                 echo(f"    {run.algorithm} seed {run.seed} FAILED after {seconds:.0f} s; log {run.log_path}:\n"
                      + _tail(run.log_path))
@@ -766,7 +753,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [e for e in args.extra if e.split("=", 1)[0].lstrip("+~") in RUN_KEYS]
     if bad:
         raise CompareError(f"{bad}: dataset, algorithm, seed, the run directory and the presets are set by the "
-                           "comparison (use --dataset/--algorithms/--seeds/--out/--presets)")
+                           "comparison, which also resumes interrupted runs itself "
+                           "(use --dataset/--algorithms/--seeds/--out/--presets)")
     if args.presets not in (None, "none") and not Path(args.presets).expanduser().is_dir():
         raise CompareError(f"--presets {args.presets}: no such folder (make tune writes <out>/presets; "
                            "'none' runs every method with its config defaults)")

@@ -25,7 +25,8 @@ dataset's default setup and ``outputs/tune/digits_partition-pathological``;
 :func:`fedfew.runs.setup_folder`):
 
 - ``<algorithm>/study.db``: the Optuna study (SQLite). An interrupted tune resumes: finished
-  trials are kept, a trial that was running is run again with the same values.
+  trials are kept, a trial that was running is run again with the same values, continuing from
+  its runs' last checkpoints (every 5 rounds, :mod:`fedfew.launch`).
 - ``<algorithm>/trial<NNN>/seed<S>``: each trial's run folders; ``logs/``: their output.
 - ``presets/<dataset>_<algorithm>.yaml``: the best values, with the search space, the trial
   budget, the best validation score, the seeds, the tuning setup and the command as comments.
@@ -52,7 +53,6 @@ import math
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 import warnings
@@ -75,7 +75,7 @@ OBJECTIVES = ("last3", "final")
 SETUP_NEUTRAL = ("trainer.", "logger", "data_dir", "engine", "engine_clients", "compile", "checkpoint_every",
                  "save_models", "fail_on_nonfinite", "collapse.", "eval_every")
 #: keys a comparison (make compare) sets for each run: never in its extra overrides
-RUN_KEYS = ("dataset", "algorithm", "seed", "hydra.run.dir", "tuned")
+RUN_KEYS = ("dataset", "algorithm", "seed", "hydra.run.dir", "tuned", "resume")
 #: keys the tune sets for each trial: never in its extra overrides
 RESERVED = (*RUN_KEYS, "partition.val_fraction", "eval.split")
 TRAIN_COMMAND = (sys.executable, "-m", "fedfew.train")
@@ -389,41 +389,43 @@ def score(results: dict[str, Any], objective: str) -> float:
 def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[str]) -> tuple[float, float, float]:
     """Train one trial (one run per tuning seed, in turn) into ``<out>/<algorithm>/<name>``.
 
+    A seed's folder left by an interrupted tune is picked up when it holds this run's results
+    (reused) or checkpoint (continued, :mod:`fedfew.launch`); anything else there is removed and
+    the run starts afresh.
+
     Args:
         name: ``trial<NNN>`` (Optuna's trial number) or ``defaults`` (the config defaults).
         values: the searched keys' values (none: the config defaults).
 
     Returns:
-        (score: mean over seeds, wall seconds, CPU seconds).
+        (score: mean over seeds, wall seconds (a continued run counts its rounds before the
+        interruption too), CPU seconds of this invocation's processes).
     Raises:
         TuneError: a run failed (its log's tail in the message).
     """
+    from fedfew.launch import launch, progress
+
     scores, wall, cpu = [], 0.0, 0.0
     for seed in plan.seeds:
         run_dir = plan.dir / name / f"seed{seed}"
         log_path = plan.out / "logs" / f"{plan.algorithm}_{name}_seed{seed}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(run_dir, ignore_errors=True)  # a run interrupted earlier starts afresh
-        argv = [*command, *plan.trial_overrides(values, seed, run_dir)]
-        start = time.perf_counter()
-        with log_path.open("w") as log:
-            log.write("$ " + " ".join(shlex.quote(a) for a in argv) + "\n")
-            log.flush()
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            try:
-                _, status, usage = os.wait4(proc.pid, 0)
-            except BaseException:
-                proc.kill()
-                proc.wait()
-                raise
-        wall += time.perf_counter() - start
-        cpu += usage.ru_utime + usage.ru_stime
+        overrides = plan.trial_overrides(values, seed, run_dir)
+        state = progress(run_dir, overrides)
+        if state in ("stale", "none"):
+            shutil.rmtree(run_dir, ignore_errors=True)
         results_path = run_dir / "results.json"
-        if os.waitstatus_to_exitcode(status) != 0 or not results_path.exists():
+        if state == "done":
+            code, seconds = 0, 0.0
+        else:
+            code, seconds, used, _ = launch(overrides, run_dir, log_path, command)
+            cpu += used
+        if code != 0 or not results_path.exists():
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
             raise TuneError(f"{plan.algorithm} {name} (seed {seed}, {values or 'config defaults'}) failed; "
                             f"log {log_path}:\n{tail}")
-        scores.append(score(json.loads(results_path.read_text()), plan.objective))
+        results = json.loads(results_path.read_text())
+        wall += max(seconds, float(results.get("wall_time_s") or 0.0))
+        scores.append(score(results, plan.objective))
     return sum(scores) / len(scores), wall, cpu
 
 
@@ -463,16 +465,29 @@ def open_study(plan: Plan):
 
 
 def _requeue_interrupted(study, plan: Plan, echo) -> None:
-    """Trials left running by an interrupted tune: marked failed, their values queued again."""
+    """Trials left running by an interrupted tune: marked failed, their values queued again, with
+    their folder (``resume_from``) to continue from (:func:`_take_over`)."""
     from optuna.trial import TrialState
 
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
         if trial.state == TrialState.WAITING:
             continue
         study.tell(trial.number, state=TrialState.FAIL)
-        study.enqueue_trial(dict(trial.params))
-        shutil.rmtree(plan.dir / f"trial{trial.number:03d}", ignore_errors=True)
-        echo(f"  {plan.algorithm}: trial {trial.number} was interrupted; running it again with the same values")
+        study.enqueue_trial(dict(trial.params), user_attrs={"resume_from": trial.number})
+        echo(f"  {plan.algorithm}: trial {trial.number} was interrupted; running it again with the same values, "
+             "from its checkpoint where it has one")
+
+
+def _take_over(plan: Plan, trial) -> None:
+    """Move the folder of the interrupted trial that ``trial`` repeats (if any) to ``trial``'s, so
+    its finished seeds are reused and its checkpoints continued (:func:`run_trial`)."""
+    source = trial.user_attrs.get("resume_from")
+    if source is None:
+        return
+    old, new = plan.dir / f"trial{int(source):03d}", plan.dir / f"trial{trial.number:03d}"
+    if old.is_dir() and old != new:
+        shutil.rmtree(new, ignore_errors=True)
+        old.rename(new)
 
 
 def completed(study) -> list:
@@ -532,6 +547,8 @@ def tune_algorithm(plan: Plan, command: Sequence[str] = TRAIN_COMMAND, echo: Cal
 
         def one(item):
             trial, values = item
+            if trial is not None:
+                _take_over(plan, trial)
             return run_trial(plan, "defaults" if trial is None else f"trial{trial.number:03d}", values, command)
 
         with ThreadPoolExecutor(max_workers=len(asked)) as pool:
@@ -704,7 +721,8 @@ def plans(args: argparse.Namespace) -> list[Plan]:
     reserved = [o for o in args.extra if o.split("=", 1)[0].lstrip("+~") in RESERVED]
     if reserved:
         raise TuneError(f"{reserved}: dataset, algorithm, seed, run folder, validation split and presets are set by "
-                        "the tune (use --dataset/--algorithms/--seeds/--val-fraction)")
+                        "the tune, which also resumes interrupted runs itself "
+                        "(use --dataset/--algorithms/--seeds/--val-fraction)")
     algorithms = args.algorithms or sorted(ALGORITHMS.names(), key=lambda n: (n != "fedfew", n))
     unknown = [a for a in algorithms if a not in ALGORITHMS.names()]
     if unknown:

@@ -30,7 +30,7 @@ run_dir = args["hydra.run.dir"]
 with open(os.environ["FAKE_LOG"], "a") as log:
     log.write(run_dir + (" resume=" + args["resume"] if "resume" in args else "") + "\\n")
 lr = float(args.get("optim.lr", 0.3))   # the digits config's lr when the trial runs the defaults
-if lr > float(os.environ.get("FAKE_FAIL_ABOVE", "inf")):
+if lr > float(os.environ.get("FAKE_FAIL_ABOVE", "inf")) or args["algorithm"] == os.environ.get("FAKE_FAIL"):
     print("diverged on purpose"); sys.exit(1)
 assert args["eval.split"] == "val" and float(args["partition.val_fraction"]) > 0 and args["logger"] == "none"
 acc = 1.0 - abs(math.log(lr / 0.1)) / 10          # best at lr = 0.1
@@ -256,12 +256,55 @@ def test_an_interrupted_trial_reuses_its_finished_runs_and_continues_its_checkpo
     assert load(out).trials[repeat].user_attrs["wall_s"] >= 123.0   # the part before the kill counts
 
 
-def test_parallel_trials_finish_the_same_budget(tmp_path, fake):
+def test_parallel_trials_finish_the_same_budget(tmp_path, fake, monkeypatch):
+    """Studies share the workers (Slots) without changing what each chooses; a failing method
+    does not stop the others, whose presets are written."""
     command, _ = fake
-    out = tmp_path / "out"
+    out, alone = tmp_path / "out", tmp_path / "alone"
     assert tune.main(argv(out, 4, algorithms=("fedavg", "local"), jobs=2), command=command) == 0
     assert len(trial_values(out, "fedavg")) == len(trial_values(out, "local")) == 4 + 1
     assert "| fedavg |" in (out / "tune.md").read_text() and "| local |" in (out / "tune.md").read_text()
+    assert tune.main(argv(alone, 4, algorithms=("local",), jobs=2), command=command) == 0
+    assert trial_values(alone, "local") == trial_values(out, "local")      # packing changes no value
+    monkeypatch.setenv("FAKE_FAIL", "fedavg")
+    failing = tmp_path / "failing"
+    with pytest.raises(TuneError, match="fedavg trial"):
+        tune.main(argv(failing, 2, algorithms=("fedavg", "local"), jobs=2), command=command)
+    assert (failing / "presets" / "digits_local.yaml").is_file()
+    assert not (failing / "presets" / "digits_fedavg.yaml").exists()
+    assert "| local |" in (failing / "tune.md").read_text()
+
+
+def test_a_free_worker_takes_the_earliest_listed_algorithms_run_and_cancel_starts_nothing():
+    import threading
+
+    slots = tune.Slots(2)
+    started, gates = [], {name: threading.Event() for name in ("x", "y", "a", "b", "c")}
+    lock = threading.Condition()
+
+    def job(name):
+        with lock:
+            started.append(name)
+            lock.notify_all()
+        assert gates[name].wait(10)
+        return name
+
+    def wait_for(n):
+        with lock:
+            assert lock.wait_for(lambda: len(started) >= n, timeout=10)
+
+    busy = [slots.submit(5, job, "x"), slots.submit(5, job, "y")]   # both workers taken
+    wait_for(2)
+    queued = {name: slots.submit(prio, job, name) for name, prio in (("c", 2), ("b", 1), ("a", 0))}
+    gates["x"].set()                                                   # one worker frees up ...
+    wait_for(3)
+    assert started[2] == "a"                                           # ... and takes priority 0
+    slots.cancel()                                                     # b and c never start
+    assert queued["b"].cancelled() and queued["c"].cancelled()
+    gates["y"].set()
+    gates["a"].set()
+    slots.close()
+    assert started == ["x", "y", "a"] and [f.result() for f in busy] == ["x", "y"] and queued["a"].result() == "a"
 
 
 def test_installed_presets_apply_and_record_their_provenance():

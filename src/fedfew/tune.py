@@ -38,6 +38,10 @@ unless the extra overrides change the setup (the partition, the clients, the mod
 rounds ...): a preset in ``conf/tuned`` is tuned for the dataset's default setup. Presets for
 another setup stay in ``<out>/presets``; ``make compare PRESETS=<out>/presets`` uses them.
 
+The ``--jobs`` workers are shared by all algorithms' studies (:class:`Slots`), each study asking
+for its next batch when its previous one has finished; a trial that fails stops its own study,
+the others go on, and the error is raised at the end.
+
 Every trial sequence is reproducible: the sampler of each batch of ``--jobs`` trials is seeded
 from ``--sampler-seed`` and the number of finished trials, so the same command (same
 ``--jobs``) chooses the same values, and a resumed tune (``--trials`` may grow) continues as the
@@ -48,15 +52,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import os
+import queue
 import shlex
 import shutil
 import sys
+import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -429,9 +436,14 @@ def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[s
     return sum(scores) / len(scores), wall, cpu
 
 
+_ECHO_LOCK = threading.Lock()
+
+
 def _echo(line: str) -> None:
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    """One whole line to stdout, flushed (the studies report from several threads)."""
+    with _ECHO_LOCK:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 def open_study(plan: Plan):
@@ -513,12 +525,82 @@ class Choice:
     label: str  # "trial 7" or "the config defaults"
 
 
-def tune_algorithm(plan: Plan, command: Sequence[str] = TRAIN_COMMAND, echo: Callable[[str], None] = _echo):
+class Slots:
+    """``jobs`` worker threads shared by every algorithm's study (``--jobs``).
+
+    A free worker takes the waiting run of the earliest-listed algorithm. So while one algorithm
+    waits for the last run of a batch (its config defaults run alone: 6 trials and the defaults
+    are 7 runs), the next algorithm's first trial fills the idle slot. The values a study
+    chooses do not depend on this packing: it asks for its next batch only once its previous
+    batch has finished, whatever else runs.
+    """
+
+    def __init__(self, jobs: int):
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._workers = [threading.Thread(target=self._work, daemon=True) for _ in range(max(1, jobs))]
+        for worker in self._workers:
+            worker.start()
+
+    def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queue ``fn(*args)``; lower ``priority`` first, then first come first served."""
+        future: Future = Future()
+        self._queue.put((priority, next(self._order), fn, args, future))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            _, _, fn, args, future = self._queue.get()
+            if fn is None:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as err:  # handed to whoever waits on the future
+                    future.set_exception(err)
+
+    def cancel(self) -> None:
+        """Cancel every queued run (an interrupted tune starts nothing new); running ones go on."""
+        while True:
+            try:
+                _, _, fn, _, future = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if fn is not None:
+                future.cancel()
+
+    def close(self) -> None:
+        """Let the workers finish what is queued, then stop them."""
+        for _ in self._workers:
+            self._queue.put((math.inf, next(self._order), None, (), None))
+        for worker in self._workers:
+            worker.join()
+
+
+# TPESampler's construction silences an ExperimentalWarning: warnings filters are process-wide
+_SAMPLER_LOCK = threading.Lock()
+
+
+def tune_algorithm(plan: Plan, command: Sequence[str] = TRAIN_COMMAND, echo: Callable[[str], None] = _echo,
+                   slots: Slots | None = None, priority: int = 0):
     """Run ``plan.trials`` trials of one algorithm (``plan.jobs`` at a time); returns the study.
 
+    Args:
+        slots: the workers shared with other algorithms' studies (None: this study's own).
+        priority: this study's place in the algorithm list (:class:`Slots`).
     Raises:
         TuneError: a trial failed (the study keeps the finished ones; rerun to resume).
     """
+    own = slots is None
+    slots = Slots(plan.jobs) if slots is None else slots
+    try:
+        return _tune(plan, command, echo, slots, priority)
+    finally:
+        if own:
+            slots.close()
+
+
+def _tune(plan: Plan, command: Sequence[str], echo: Callable[[str], None], slots: Slots, priority: int):
     import optuna
     from optuna.trial import TrialState
 
@@ -532,7 +614,7 @@ def tune_algorithm(plan: Plan, command: Sequence[str] = TRAIN_COMMAND, echo: Cal
             break
         asked: list[tuple[Any, dict[str, Any]]] = []
         if batch > 0:
-            with warnings.catch_warnings():  # multivariate and constant_liar are flagged experimental
+            with _SAMPLER_LOCK, warnings.catch_warnings():  # multivariate and constant_liar are experimental
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 study.sampler = optuna.samplers.TPESampler(
                     seed=derive_seed(plan.sampler_seed, "tune", plan.dataset, plan.algorithm, done) % 2**32,
@@ -545,36 +627,34 @@ def tune_algorithm(plan: Plan, command: Sequence[str] = TRAIN_COMMAND, echo: Cal
         if with_defaults:  # the method's own defaults, once, in the room left by the last batch
             asked.append((None, {}))
 
-        def one(item):
-            trial, values = item
+        for trial, _ in asked:
             if trial is not None:
                 _take_over(plan, trial)
-            return run_trial(plan, "defaults" if trial is None else f"trial{trial.number:03d}", values, command)
-
-        with ThreadPoolExecutor(max_workers=len(asked)) as pool:
-            futures = [pool.submit(one, item) for item in asked]
-            errors = []
-            for (trial, values), future in zip(asked, futures):
-                try:
-                    value, wall, cpu = future.result()
-                except TuneError as err:
-                    if trial is not None:
-                        study.tell(trial, state=TrialState.FAIL)
-                    errors.append(err)
-                    continue
-                if trial is None:
-                    values = default_values(plan)
-                    study.set_user_attr("defaults", {"value": value, "values": values, "wall_s": wall, "cpu_s": cpu})
-                    echo(f"  {plan.algorithm} config defaults: {_fmt_values(values)} -> validation acc {value:.4f} "
-                         f"({wall:.0f} s wall, {cpu:.0f} s CPU)")
-                    continue
-                trial.set_user_attr("wall_s", wall)
-                trial.set_user_attr("cpu_s", cpu)
-                study.tell(trial, value)
-                echo(f"  {plan.algorithm} trial {trial.number} ({len(completed(study))}/{plan.trials}): "
-                     f"{_fmt_values(values)} -> validation acc {value:.4f} ({wall:.0f} s wall, {cpu:.0f} s CPU)")
-            if errors:
-                raise errors[0]
+        futures = [slots.submit(priority, run_trial, plan, "defaults" if trial is None else f"trial{trial.number:03d}",
+                                values, command) for trial, values in asked]
+        # the batch's results, in the order asked
+        errors = []
+        for (trial, values), future in zip(asked, futures):
+            try:
+                value, wall, cpu = future.result()
+            except TuneError as err:
+                if trial is not None:
+                    study.tell(trial, state=TrialState.FAIL)
+                errors.append(err)
+                continue
+            if trial is None:
+                values = default_values(plan)
+                study.set_user_attr("defaults", {"value": value, "values": values, "wall_s": wall, "cpu_s": cpu})
+                echo(f"  {plan.algorithm} config defaults: {_fmt_values(values)} -> validation acc {value:.4f} "
+                     f"({wall:.0f} s wall, {cpu:.0f} s CPU)")
+                continue
+            trial.set_user_attr("wall_s", wall)
+            trial.set_user_attr("cpu_s", cpu)
+            study.tell(trial, value)
+            echo(f"  {plan.algorithm} trial {trial.number} ({len(completed(study))}/{plan.trials}): "
+                 f"{_fmt_values(values)} -> validation acc {value:.4f} ({wall:.0f} s wall, {cpu:.0f} s CPU)")
+        if errors:
+            raise errors[0]
     return study
 
 
@@ -782,35 +862,61 @@ def main(argv: Sequence[str] | None = None, command: Sequence[str] = TRAIN_COMMA
     install = args.install == "yes" or (args.install == "auto" and not setup_changing(args.extra))
     command_line = " ".join(shlex.quote(a) for a in ["python", "-m", "fedfew.tune", *argv])
     start = time.perf_counter()
-    lines = []
+    lines, errors = [], []
     for plan in all_plans:
         echo(f"{plan.algorithm}: {plan.trials} trials on {describe_setup(plan.cfg)}; search "
              + "; ".join(d.describe() for d in plan.space))
-        study = tune_algorithm(plan, command, echo)
-        best = choice(study)
-        text = preset_text(plan, study, command_line)
-        name = f"{plan.dataset}_{plan.algorithm}.yaml"
-        atomic_write_text(out / "presets" / name, text)
-        written = [out / "presets" / name]
-        if install:
-            atomic_write_text(TUNED_DIR / name, text)
-            written.append(TUNED_DIR / name)
-        wall = tuning_seconds(study)
-        lines.append(f"| {plan.algorithm} | {best.value:.4f} ({best.label}) | {_fmt_values(best.values)} | "
-                     f"{_fmt_score(study.user_attrs.get('defaults'))} | {len(completed(study))} | {wall / 60:.1f} |")
-        echo(f"{plan.algorithm}: best validation acc {best.value:.4f} with {_fmt_values(best.values)} "
-             f"({best.label}) -> {', '.join(map(str, written))}")
+    # every study runs in its own thread on the shared workers: the earlier-listed algorithm first,
+    # the next one filling any idle worker (Slots); presets are written in the listed order
+    slots = Slots(args.jobs)
+    try:
+        with ThreadPoolExecutor(max_workers=len(all_plans)) as studies:
+            futures = [studies.submit(tune_algorithm, plan, command, echo, slots, i)
+                       for i, plan in enumerate(all_plans)]
+            try:
+                for plan, future in zip(all_plans, futures):
+                    try:
+                        study = future.result()
+                    except TuneError as err:  # the other algorithms go on; the error is raised at the end
+                        errors.append(err)
+                        continue
+                    lines.append(_write_preset(plan, study, out, install, command_line, echo))
+            except BaseException:  # Ctrl-C: start nothing new (running trials save a checkpoint and stop)
+                slots.cancel()
+                raise
+    finally:
+        slots.close()
     table = ["# tune: " + args.dataset, "", f"command: `{command_line}`", "",
              "| algorithm | best validation acc | values | config defaults' validation acc | sampled trials | "
              "trials' wall time, summed (min) |", "|---|---|---|---|---|---|",
              *lines, "", f"total wall time of this invocation: {(time.perf_counter() - start) / 60:.1f} min"]
     atomic_write_text(out / "tune.md", "\n".join(table) + "\n")
+    if errors:
+        raise errors[0]
     if not install:
         reason = "--install no" if args.install == "no" else f"the overrides {setup_changing(args.extra)} change the setup"
         echo(f"presets written to {out / 'presets'} only ({reason}); use them with "
              f"make compare PRESETS={out / 'presets'} (or python -m fedfew.compare --presets ...)")
     echo(f"tune done in {(time.perf_counter() - start) / 60:.1f} min; summary {out / 'tune.md'}")
     return 0
+
+
+def _write_preset(plan: Plan, study, out: Path, install: bool, command_line: str, echo) -> str:
+    """Write one algorithm's preset (``<out>/presets``, and ``conf/tuned`` when ``install``);
+    returns its row of tune.md."""
+    best = choice(study)
+    text = preset_text(plan, study, command_line)
+    name = f"{plan.dataset}_{plan.algorithm}.yaml"
+    atomic_write_text(out / "presets" / name, text)
+    written = [out / "presets" / name]
+    if install:
+        atomic_write_text(TUNED_DIR / name, text)
+        written.append(TUNED_DIR / name)
+    wall = tuning_seconds(study)
+    echo(f"{plan.algorithm}: best validation acc {best.value:.4f} with {_fmt_values(best.values)} "
+         f"({best.label}) -> {', '.join(map(str, written))}")
+    return (f"| {plan.algorithm} | {best.value:.4f} ({best.label}) | {_fmt_values(best.values)} | "
+            f"{_fmt_score(study.user_attrs.get('defaults'))} | {len(completed(study))} | {wall / 60:.1f} |")
 
 
 if __name__ == "__main__":

@@ -320,3 +320,30 @@ def test_launched_runs_checkpoint_and_drop_the_checkpoint_when_done(tmp_path):
     assert code == 0 and resumed and (run / "checkpoints" / "last.ckpt").is_file()   # the user's: kept
     assert "checkpoint_every=5" not in (tmp_path / "b.log").read_text()
     assert launch.progress(run, ["rounds=2"]) == "done"
+
+
+def test_a_run_stopped_by_a_signal_is_reported_and_continued_on_the_next_invocation(tmp_path):
+    """A run that exits with 128 + signum after saving its checkpoint is 'interrupted', not failed
+    (left out of the table; the command exits 1), and the next invocation continues it."""
+    import sys
+
+    script = tmp_path / "fake.py"
+    script.write_text(
+        "import os, sys\n"
+        "args = dict(a.split('=', 1) for a in sys.argv[1:] if '=' in a and not a.startswith('~'))\n"
+        "d = args['hydra.run.dir']; os.makedirs(os.path.join(d, 'checkpoints'), exist_ok=True)\n"
+        "if 'resume' not in args:\n"
+        "    open(os.path.join(d, 'checkpoints', 'last.ckpt'), 'w').write('x'); sys.exit(143)\n"
+        "open(os.path.join(d, 'results.json'), 'w').write('{\"summary\": {\"acc_mean\": 0.5}}')\n")
+    python = tmp_path / "python"   # stands in for the interpreter: ignores "-m fedfew.train"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    python.chmod(0o755)
+    run = Run("fedavg", 0, tmp_path / "cmp", ("rounds=2",))
+    said: list[str] = []
+    assert compare.run_all([run], python=str(python), echo=said.append) == {run: "interrupted"}
+    assert "stopped by a signal" in said[-1] and (run.dir / "checkpoints" / "last.ckpt").is_file()
+    said.clear()
+    assert compare.run_all([run], python=str(python), echo=said.append) == {run: "done"}
+    assert "(continuing from its checkpoint)" in said[0] and "for its last part" in said[-1]
+    assert not (run.dir / "checkpoints").exists()                    # dropped once the run finished
+    assert compare.run_all([run], python=str(python), echo=said.append) == {run: "reused"}

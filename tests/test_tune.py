@@ -32,6 +32,10 @@ with open(os.environ["FAKE_LOG"], "a") as log:
 lr = float(args.get("optim.lr", 0.3))   # the digits config's lr when the trial runs the defaults
 if lr > float(os.environ.get("FAKE_FAIL_ABOVE", "inf")) or args["algorithm"] == os.environ.get("FAKE_FAIL"):
     print("diverged on purpose"); sys.exit(1)
+if args["algorithm"] == os.environ.get("FAKE_SIGNAL") and "resume" not in args:   # Ctrl-C after a checkpoint
+    os.makedirs(os.path.join(run_dir, "checkpoints"), exist_ok=True)
+    open(os.path.join(run_dir, "checkpoints", "last.ckpt"), "w").write("stand-in")
+    sys.exit(130)
 assert args["eval.split"] == "val" and float(args["partition.val_fraction"]) > 0 and args["logger"] == "none"
 acc = 1.0 - abs(math.log(lr / 0.1)) / 10          # best at lr = 0.1
 os.makedirs(run_dir, exist_ok=True)
@@ -256,6 +260,28 @@ def test_an_interrupted_trial_reuses_its_finished_runs_and_continues_its_checkpo
     assert load(out).trials[repeat].user_attrs["wall_s"] >= 123.0   # the part before the kill counts
 
 
+def test_a_trial_stopped_by_a_signal_stays_running_and_continues_on_the_next_invocation(tmp_path, fake, monkeypatch):
+    """A run that exits after saving a checkpoint on Ctrl-C/SIGTERM (128 + signum) is not a failed
+    trial: the tune stops with 'interrupted', the other algorithm still finishes, and the next
+    invocation repeats the trial from its checkpoint."""
+    import optuna
+
+    command, log = fake
+    out = tmp_path / "out"
+    monkeypatch.setenv("FAKE_SIGNAL", "fedavg")
+    with pytest.raises(TuneError, match="interrupted .*run the same command again"):
+        tune.main(argv(out, 2, algorithms=("fedavg", "local"), jobs=2), command=command)
+    running = load(out, "fedavg").get_trials(states=(optuna.trial.TrialState.RUNNING,))
+    assert len(running) == 2 and not load(out, "fedavg").get_trials(states=(optuna.trial.TrialState.FAIL,))
+    assert (out / "presets" / "digits_local.yaml").is_file() and "not finished: fedavg" in (out / "tune.md").read_text()
+    monkeypatch.delenv("FAKE_SIGNAL")
+    before = len(log.read_text().splitlines())
+    assert tune.main(argv(out, 2, algorithms=("fedavg", "local"), jobs=2), command=command) == 0
+    new = log.read_text().splitlines()[before:]
+    assert len(new) == 3 and sum(" resume=" in line for line in new) == 2   # the 2 trials continued, then the defaults
+    assert len(trial_values(out, "fedavg")) == 2 + 1
+
+
 def test_parallel_trials_finish_the_same_budget(tmp_path, fake, monkeypatch):
     """Studies share the workers (Slots) without changing what each chooses; a failing method
     does not stop the others, whose presets are written."""
@@ -268,14 +294,14 @@ def test_parallel_trials_finish_the_same_budget(tmp_path, fake, monkeypatch):
     assert trial_values(alone, "local") == trial_values(out, "local")      # packing changes no value
     monkeypatch.setenv("FAKE_FAIL", "fedavg")
     failing = tmp_path / "failing"
-    with pytest.raises(TuneError, match="fedavg trial"):
+    with pytest.raises(TuneError, match="(?s)fedavg trial.*diverged on purpose.*other algorithms are written"):
         tune.main(argv(failing, 2, algorithms=("fedavg", "local"), jobs=2), command=command)
     assert (failing / "presets" / "digits_local.yaml").is_file()
     assert not (failing / "presets" / "digits_fedavg.yaml").exists()
     assert "| local |" in (failing / "tune.md").read_text()
 
 
-def test_a_free_worker_takes_the_earliest_listed_algorithms_run_and_cancel_starts_nothing():
+def test_a_free_worker_takes_the_earliest_listed_algorithms_run_and_stop_starts_nothing():
     import threading
 
     slots = tune.Slots(2)
@@ -299,8 +325,9 @@ def test_a_free_worker_takes_the_earliest_listed_algorithms_run_and_cancel_start
     gates["x"].set()                                                   # one worker frees up ...
     wait_for(3)
     assert started[2] == "a"                                           # ... and takes priority 0
-    slots.cancel()                                                     # b and c never start
+    slots.stop()                                                       # b and c never start ...
     assert queued["b"].cancelled() and queued["c"].cancelled()
+    assert slots.submit(0, job, "d").cancelled()                       # ... nor anything submitted later
     gates["y"].set()
     gates["a"].set()
     slots.close()

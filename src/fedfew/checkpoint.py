@@ -35,12 +35,13 @@ CHECKPOINT_NAME = "last.ckpt"
 #: where the data files live (the partition hash still has to match), the experiment loggers and
 #: plots, torch's CPU threads, the dataset cache / in-memory choice (batches are identical), and
 #: how many processes share the clients (sharding gives the one-process result up to float
-#: rounding of the sums), the collapse warning's thresholds, and Hydra's own settings.
+#: rounding of the sums), the collapse warning's thresholds, whether a non-finite loss stops the run
+#: (a run that finishes is the same either way), and Hydra's own settings.
 #: ``dataset.rounds`` only feeds ``rounds``, which is checked itself (see ``resume_extend_rounds``).
 RESUME_FREE_KEYS = (
     "resume", "resume_extend_rounds", "checkpoint_every", "save_models", "data_dir", "logger",
     "trainer.threads", "trainer.devices", "trainer.num_nodes", "trainer.strategy",
-    "dataset.cache", "dataset.in_memory", "dataset.rounds", "collapse", "hydra",
+    "dataset.cache", "dataset.in_memory", "dataset.rounds", "collapse", "fail_on_nonfinite", "hydra",
 )
 _ABSENT = object()
 

@@ -175,17 +175,19 @@ def check_reusable(run: Run) -> str:
     return state
 
 
-def execute(run: Run, python: str = sys.executable) -> tuple[bool, float, float, bool]:
+def execute(run: Run, python: str = sys.executable) -> tuple[str, float, float, bool]:
     """Train ``run`` in a subprocess (output to its log file), from its checkpoint when it has
     one (:func:`fedfew.launch.launch`).
 
     Returns:
-        (success, wall seconds, CPU seconds of the subprocess: user + system, whether it resumed).
+        (``done`` | ``failed`` | ``interrupted`` (stopped by a signal: its checkpoint is kept), wall
+        seconds, CPU seconds of the subprocess: user + system, whether it resumed).
     """
-    from fedfew.launch import launch
+    from fedfew.launch import interrupted, launch
 
     code, wall, cpu, resumed = launch(run.overrides(), run.dir, run.log_path, (python, "-m", "fedfew.train"))
-    return code == 0 and run.results_path.exists(), wall, cpu, resumed
+    state = "done" if code == 0 and run.results_path.exists() else "interrupted" if interrupted(code) else "failed"
+    return state, wall, cpu, resumed
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -208,8 +210,8 @@ def _echo(line: str) -> None:
 def run_all(runs: Sequence[Run], jobs: int = 1, python: str = sys.executable,
             echo=_echo) -> dict[Run, str]:
     """Run every run without results (``jobs`` at a time; one with a checkpoint continues from
-    it); returns run -> status (``reused`` | ``done`` | ``failed``). Stale results or checkpoints
-    raise before anything starts."""
+    it); returns run -> status (``reused`` | ``done`` | ``failed`` | ``interrupted``). Stale results
+    or checkpoints raise before anything starts."""
     status: dict[Run, str] = {}
     todo = []
     for run in runs:
@@ -220,23 +222,34 @@ def run_all(runs: Sequence[Run], jobs: int = 1, python: str = sys.executable,
     if status:
         echo(f"reusing {len(status)} finished run(s): " + ", ".join(f"{r.algorithm}/seed{r.seed}" for r in status))
 
-    def one(item: tuple[int, Run]) -> tuple[Run, bool, float, float, bool]:
+    def one(item: tuple[int, Run]) -> tuple[Run, str, float, float, bool]:
         i, run = item
         cont = " (continuing from its checkpoint)" if checkpoint_path(run.dir).is_file() else ""
         echo(f"[{i}/{len(todo)}] {run.algorithm} seed {run.seed} -> {run.dir}{cont}")
         return (run, *execute(run, python))
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for run, ok, seconds, cpu, resumed in pool.map(one, enumerate(todo, 1)):
-            status[run] = "done" if ok else "failed"
-            if ok:
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+    try:
+        for future in [pool.submit(one, item) for item in enumerate(todo, 1)]:
+            run, state, seconds, cpu, resumed = future.result()
+            status[run] = state
+            if state == "done":
                 acc = json.loads(run.results_path.read_text())["summary"]["acc_mean"]
                 part = " for its last part" if resumed else ""
                 echo(f"    {run.algorithm} seed {run.seed}: client-mean acc {acc:.4f} "
                      f"({seconds:.0f} s wall, {cpu:.0f} s CPU{part})")
+            elif state == "interrupted":
+                echo(f"    {run.algorithm} seed {run.seed} was stopped by a signal after {seconds:.0f} s; its "
+                     f"checkpoint is kept: run the same command again to continue it")
             else:
+                hint = (f"\n    it continued from {checkpoint_path(run.dir)}: if the log says that checkpoint was "
+                        f"refused, delete {run.dir / 'checkpoints'} to start the run afresh") if resumed else ""
                 echo(f"    {run.algorithm} seed {run.seed} FAILED after {seconds:.0f} s; log {run.log_path}:\n"
-                     + _tail(run.log_path))
+                     + _tail(run.log_path) + hint)
+    except BaseException:  # Ctrl-C: start no queued run (the running ones save a checkpoint and stop)
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     return status
 
 
@@ -785,7 +798,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for alg in algorithms]
     start = time.perf_counter()
     status = run_all(runs, jobs=args.jobs)
-    results = collect([r for r in runs if status.get(r) != "failed"])  # a failed run's partial results stay out
+    results = collect([r for r in runs if status.get(r) in ("done", "reused")])  # a failed run's results stay out
     rows, warnings = summarize(results, algorithms, reference, {a: p[1] for a, p in presets.items()})
     title, notes = describe(rows, results, args.dataset, args.seeds, reference)
     if left_out:
@@ -793,6 +806,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = [f"{r.algorithm}/seed{r.seed}" for r, s in status.items() if s == "failed"]
     if failed:
         warnings.append(f"failed runs (left out; logs in {out / 'logs'}): {', '.join(failed)}")
+    stopped = [f"{r.algorithm}/seed{r.seed}" for r, s in status.items() if s == "interrupted"]
+    if stopped:
+        warnings.append(f"runs stopped by a signal (left out; run the same command again to continue them from "
+                        f"their checkpoints): {', '.join(stopped)}")
     elapsed = time.perf_counter() - start
     run_wall = sum(float(r.get("wall_time_s") or 0.0) for r in results.values())
     notes.append(f"command: `python -m fedfew.compare {' '.join(shlex.quote(a) for a in argv)}`; this invocation "
@@ -805,7 +822,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(to_markdown(rows, title, [*warnings, *notes]))
     print(f"wrote {out / 'compare.csv'}, {out / 'compare.md'}, accuracy_rounds.png and accuracy_bytes.png "
           f"({elapsed:.0f} s)")
-    return 1 if failed else 0
+    return 1 if failed or stopped else 0
 
 
 if __name__ == "__main__":

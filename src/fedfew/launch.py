@@ -72,6 +72,13 @@ def progress(run_dir: Path, overrides: Sequence[str]) -> str:
     return state
 
 
+def interrupted(code: int) -> bool:
+    """Whether a run's exit code says a signal stopped it (``128 + signum`` after fedfew.train saved
+    a checkpoint on Ctrl-C / SIGTERM / SIGUSR1, or ``-signum`` when the signal killed it), rather
+    than that it failed: run again, it continues from its checkpoint."""
+    return code < 0 or code > 128
+
+
 def checkpointing(overrides: Sequence[str]) -> bool:
     """Whether :func:`launch` adds ``checkpoint_every`` (the user did not set it)."""
     return not any(_key(o) == "checkpoint_every" for o in overrides)
@@ -79,7 +86,8 @@ def checkpointing(overrides: Sequence[str]) -> bool:
 
 def launch(overrides: Sequence[str], run_dir: Path, log_path: Path,
            command: Sequence[str]) -> tuple[int, float, float, bool]:
-    """Train one run in a subprocess, its output to ``log_path`` (overwritten).
+    """Train one run in a subprocess, its output to ``log_path`` (overwritten; appended to when
+    the run continues from a checkpoint).
 
     The run gets ``checkpoint_every=CHECKPOINT_EVERY`` unless ``overrides`` set it, and
     ``resume=<run_dir>/checkpoints/last.ckpt`` when that file exists (check it is this run's with
@@ -100,7 +108,7 @@ def launch(overrides: Sequence[str], run_dir: Path, log_path: Path,
     argv = [*command, *overrides, *extra]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with log_path.open("w") as log:
+    with log_path.open("a" if resumed else "w") as log:  # a continued run's log keeps its first part
         log.write("$ " + " ".join(shlex.quote(a) for a in argv) + "\n")
         log.flush()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

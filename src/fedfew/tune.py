@@ -63,7 +63,7 @@ import sys
 import threading
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -93,6 +93,11 @@ LEFT_OUT = "left out (they cannot run on this setup; name them in ALGORITHMS to 
 class TuneError(RuntimeError):
     """The tune cannot run as asked (unknown algorithm, no or empty search space, bad
     overrides, a folder made by a different tune, a failed trial)."""
+
+
+class TrialInterrupted(Exception):
+    """A trial's run was stopped by a signal (Ctrl-C, SIGTERM, a kill), or the tune is stopping:
+    the trial stays running in its study, so the next invocation repeats it from its checkpoint."""
 
 
 # -- search spaces ----------------------------------------------------------------------------
@@ -393,27 +398,33 @@ def score(results: dict[str, Any], objective: str) -> float:
     return sum(accs) / len(accs)
 
 
-def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[str]) -> tuple[float, float, float]:
+def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[str],
+              stop: threading.Event | None = None) -> tuple[float, float, float]:
     """Train one trial (one run per tuning seed, in turn) into ``<out>/<algorithm>/<name>``.
 
     A seed's folder left by an interrupted tune is picked up when it holds this run's results
     (reused) or checkpoint (continued, :mod:`fedfew.launch`); anything else there is removed and
-    the run starts afresh.
+    the run starts afresh, as it does when ``fedfew.train`` refuses the checkpoint (e.g. a config
+    key added since).
 
     Args:
         name: ``trial<NNN>`` (Optuna's trial number) or ``defaults`` (the config defaults).
         values: the searched keys' values (none: the config defaults).
+        stop: when set, no further seed is started.
 
     Returns:
         (score: mean over seeds, wall seconds (a continued run counts its rounds before the
         interruption too), CPU seconds of this invocation's processes).
     Raises:
-        TuneError: a run failed (its log's tail in the message).
+        TuneError: a run failed (its log's tail in the message; its checkpoint is deleted).
+        TrialInterrupted: a run was stopped by a signal, or ``stop`` was set.
     """
-    from fedfew.launch import launch, progress
+    from fedfew.launch import interrupted, launch, progress
 
     scores, wall, cpu = [], 0.0, 0.0
     for seed in plan.seeds:
+        if stop is not None and stop.is_set():
+            raise TrialInterrupted(f"{plan.algorithm} {name}: the tune is stopping")
         run_dir = plan.dir / name / f"seed{seed}"
         log_path = plan.out / "logs" / f"{plan.algorithm}_{name}_seed{seed}.log"
         overrides = plan.trial_overrides(values, seed, run_dir)
@@ -421,12 +432,19 @@ def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[s
         if state in ("stale", "none"):
             shutil.rmtree(run_dir, ignore_errors=True)
         results_path = run_dir / "results.json"
-        if state == "done":
-            code, seconds = 0, 0.0
-        else:
-            code, seconds, used, _ = launch(overrides, run_dir, log_path, command)
+        code, seconds = 0, 0.0
+        if state != "done":
+            code, seconds, used, resumed = launch(overrides, run_dir, log_path, command)
             cpu += used
+            if resumed and code == 2:  # the checkpoint was refused (config changed since): start afresh
+                shutil.rmtree(run_dir, ignore_errors=True)
+                code, seconds, used, _ = launch(overrides, run_dir, log_path, command)
+                cpu += used
+        if interrupted(code):
+            raise TrialInterrupted(f"{plan.algorithm} {name} (seed {seed}) was stopped by a signal "
+                                   f"(exit code {code}); its checkpoint is kept")
         if code != 0 or not results_path.exists():
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a failed trial is not repeated
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
             raise TuneError(f"{plan.algorithm} {name} (seed {seed}, {values or 'config defaults'}) failed; "
                             f"log {log_path}:\n{tail}")
@@ -477,15 +495,19 @@ def open_study(plan: Plan):
 
 
 def _requeue_interrupted(study, plan: Plan, echo) -> None:
-    """Trials left running by an interrupted tune: marked failed, their values queued again, with
-    their folder (``resume_from``) to continue from (:func:`_take_over`)."""
+    """Trials left running by an interrupted tune: their values queued again, with the folder to
+    continue from (``resume_from``, :func:`_take_over`), then the trial marked failed."""
     from optuna.trial import TrialState
 
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
-        if trial.state == TrialState.WAITING:
+    trials = study.get_trials(deepcopy=False)
+    for trial in trials:
+        if trial.state != TrialState.RUNNING:
             continue
+        source = trial.number  # a repeat killed before it took its folder over: that folder's owner
+        while not (plan.dir / f"trial{source:03d}").is_dir() and trials[source].user_attrs.get("resume_from") is not None:
+            source = int(trials[source].user_attrs["resume_from"])
+        study.enqueue_trial(dict(trial.params), user_attrs={"resume_from": source})
         study.tell(trial.number, state=TrialState.FAIL)
-        study.enqueue_trial(dict(trial.params), user_attrs={"resume_from": trial.number})
         echo(f"  {plan.algorithm}: trial {trial.number} was interrupted; running it again with the same values, "
              "from its checkpoint where it has one")
 
@@ -528,14 +550,15 @@ class Choice:
 class Slots:
     """``jobs`` worker threads shared by every algorithm's study (``--jobs``).
 
-    A free worker takes the waiting run of the earliest-listed algorithm. So while one algorithm
-    waits for the last run of a batch (its config defaults run alone: 6 trials and the defaults
-    are 7 runs), the next algorithm's first trial fills the idle slot. The values a study
-    chooses do not depend on this packing: it asks for its next batch only once its previous
-    batch has finished, whatever else runs.
+    A free worker takes the waiting run of the earliest-listed algorithm (``priority``), so while
+    one algorithm waits for the last run of a batch (with 6 trials and 2 jobs, its config
+    defaults run alone at the end), the next algorithm's trial fills the idle worker. The values
+    a study chooses do not depend on this packing: it asks for its next batch only once its
+    previous batch has finished, whatever else runs. After :meth:`stop`, nothing new starts.
     """
 
     def __init__(self, jobs: int):
+        self.stopped = threading.Event()
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._workers = [threading.Thread(target=self._work, daemon=True) for _ in range(max(1, jobs))]
@@ -543,9 +566,13 @@ class Slots:
             worker.start()
 
     def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> Future:
-        """Queue ``fn(*args)``; lower ``priority`` first, then first come first served."""
+        """Queue ``fn(*args)``; lower ``priority`` first, then first come first served. After
+        :meth:`stop`: a cancelled future."""
         future: Future = Future()
-        self._queue.put((priority, next(self._order), fn, args, future))
+        if self.stopped.is_set():
+            future.cancel()
+        else:
+            self._queue.put((priority, next(self._order), fn, args, future))
         return future
 
     def _work(self) -> None:
@@ -553,14 +580,17 @@ class Slots:
             _, _, fn, args, future = self._queue.get()
             if fn is None:
                 return
-            if future.set_running_or_notify_cancel():
+            if self.stopped.is_set():
+                future.cancel()
+            elif future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args))
                 except BaseException as err:  # handed to whoever waits on the future
                     future.set_exception(err)
 
-    def cancel(self) -> None:
-        """Cancel every queued run (an interrupted tune starts nothing new); running ones go on."""
+    def stop(self) -> None:
+        """Start nothing new: queued runs are cancelled, later submissions too; running ones go on."""
+        self.stopped.set()
         while True:
             try:
                 _, _, fn, _, future = self._queue.get_nowait()
@@ -569,12 +599,13 @@ class Slots:
             if fn is not None:
                 future.cancel()
 
-    def close(self) -> None:
-        """Let the workers finish what is queued, then stop them."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the workers once the queue is done (``wait``: and wait for them)."""
         for _ in self._workers:
             self._queue.put((math.inf, next(self._order), None, (), None))
-        for worker in self._workers:
-            worker.join()
+        if wait:
+            for worker in self._workers:
+                worker.join()
 
 
 # TPESampler's construction silences an ExperimentalWarning: warnings filters are process-wide
@@ -582,31 +613,39 @@ _SAMPLER_LOCK = threading.Lock()
 
 
 def tune_algorithm(plan: Plan, command: Sequence[str] = TRAIN_COMMAND, echo: Callable[[str], None] = _echo,
-                   slots: Slots | None = None, priority: int = 0):
+                   slots: Slots | None = None, priority: int = 0, queued: threading.Event | None = None):
     """Run ``plan.trials`` trials of one algorithm (``plan.jobs`` at a time); returns the study.
 
     Args:
         slots: the workers shared with other algorithms' studies (None: this study's own).
         priority: this study's place in the algorithm list (:class:`Slots`).
+        queued: set once the first batch is queued (or the study has nothing to run).
     Raises:
         TuneError: a trial failed (the study keeps the finished ones; rerun to resume).
+        TrialInterrupted: a run was stopped by a signal or ``slots`` stopped (the running trials
+            stay running in the study: the next invocation repeats them from their checkpoints).
     """
     own = slots is None
     slots = Slots(plan.jobs) if slots is None else slots
     try:
-        return _tune(plan, command, echo, slots, priority)
+        return _tune(plan, command, echo, slots, priority, queued or threading.Event())
     finally:
+        if queued is not None:
+            queued.set()
         if own:
             slots.close()
 
 
-def _tune(plan: Plan, command: Sequence[str], echo: Callable[[str], None], slots: Slots, priority: int):
+def _tune(plan: Plan, command: Sequence[str], echo: Callable[[str], None], slots: Slots, priority: int,
+          queued: threading.Event):
     import optuna
     from optuna.trial import TrialState
 
     study = open_study(plan)
     _requeue_interrupted(study, plan, echo)
     while True:
+        if slots.stopped.is_set():
+            raise TrialInterrupted(f"{plan.algorithm}: the tune is stopping")
         done = len(completed(study))
         batch = min(plan.jobs, plan.trials - done)
         with_defaults = "defaults" not in study.user_attrs and batch < plan.jobs
@@ -631,12 +670,16 @@ def _tune(plan: Plan, command: Sequence[str], echo: Callable[[str], None], slots
             if trial is not None:
                 _take_over(plan, trial)
         futures = [slots.submit(priority, run_trial, plan, "defaults" if trial is None else f"trial{trial.number:03d}",
-                                values, command) for trial, values in asked]
+                                values, command, slots.stopped) for trial, values in asked]
+        queued.set()
         # the batch's results, in the order asked
-        errors = []
+        errors, stopped = [], None
         for (trial, values), future in zip(asked, futures):
             try:
                 value, wall, cpu = future.result()
+            except (TrialInterrupted, CancelledError) as err:  # not told: it stays running, to be repeated
+                stopped = stopped or err
+                continue
             except TuneError as err:
                 if trial is not None:
                     study.tell(trial, state=TrialState.FAIL)
@@ -655,6 +698,9 @@ def _tune(plan: Plan, command: Sequence[str], echo: Callable[[str], None], slots
                  f"{_fmt_values(values)} -> validation acc {value:.4f} ({wall:.0f} s wall, {cpu:.0f} s CPU)")
         if errors:
             raise errors[0]
+        if stopped is not None:
+            raise stopped if isinstance(stopped, TrialInterrupted) else TrialInterrupted(
+                f"{plan.algorithm}: the tune is stopping")
     return study
 
 
@@ -861,38 +907,54 @@ def main(argv: Sequence[str] | None = None, command: Sequence[str] = TRAIN_COMMA
         echo(note)
     install = args.install == "yes" or (args.install == "auto" and not setup_changing(args.extra))
     command_line = " ".join(shlex.quote(a) for a in ["python", "-m", "fedfew.tune", *argv])
+    for plan in all_plans:  # a folder holding another tune is refused before anything runs
+        open_study(plan)
     start = time.perf_counter()
-    lines, errors = [], []
+    lines, errors, interrupted = [], [], []
     for plan in all_plans:
         echo(f"{plan.algorithm}: {plan.trials} trials on {describe_setup(plan.cfg)}; search "
              + "; ".join(d.describe() for d in plan.space))
-    # every study runs in its own thread on the shared workers: the earlier-listed algorithm first,
-    # the next one filling any idle worker (Slots); presets are written in the listed order
+    # every study runs in its own thread on the shared workers (Slots), started in the listed order:
+    # the earlier-listed algorithm's runs first, the next one filling any idle worker
     slots = Slots(args.jobs)
     try:
         with ThreadPoolExecutor(max_workers=len(all_plans)) as studies:
-            futures = [studies.submit(tune_algorithm, plan, command, echo, slots, i)
-                       for i, plan in enumerate(all_plans)]
             try:
+                futures = []
+                for i, plan in enumerate(all_plans):
+                    queued = threading.Event()
+                    futures.append(studies.submit(tune_algorithm, plan, command, echo, slots, i, queued))
+                    queued.wait()
                 for plan, future in zip(all_plans, futures):
                     try:
                         study = future.result()
-                    except TuneError as err:  # the other algorithms go on; the error is raised at the end
-                        errors.append(err)
+                    except TuneError as err:  # the other algorithms go on; said now, raised at the end
+                        echo(f"  {plan.algorithm} stopped: {str(err).splitlines()[0]}")
+                        errors.append((plan.algorithm, err))
+                        continue
+                    except TrialInterrupted as err:
+                        interrupted.append((plan.algorithm, err))
                         continue
                     lines.append(_write_preset(plan, study, out, install, command_line, echo))
-            except BaseException:  # Ctrl-C: start nothing new (running trials save a checkpoint and stop)
-                slots.cancel()
+            except BaseException:  # Ctrl-C: start nothing new (the running trials save a checkpoint and stop)
+                slots.stop()
                 raise
     finally:
-        slots.close()
-    table = ["# tune: " + args.dataset, "", f"command: `{command_line}`", "",
-             "| algorithm | best validation acc | values | config defaults' validation acc | sampled trials | "
-             "trials' wall time, summed (min) |", "|---|---|---|---|---|---|",
-             *lines, "", f"total wall time of this invocation: {(time.perf_counter() - start) / 60:.1f} min"]
-    atomic_write_text(out / "tune.md", "\n".join(table) + "\n")
+        slots.close(wait=False)
+    if lines:
+        table = ["# tune: " + args.dataset, "", f"command: `{command_line}`", "",
+                 "| algorithm | best validation acc | values | config defaults' validation acc | sampled trials | "
+                 "trials' wall time, summed (min) |", "|---|---|---|---|---|---|",
+                 *lines, "", f"total wall time of this invocation: {(time.perf_counter() - start) / 60:.1f} min"]
+        if errors or interrupted:
+            table.append(f"not finished: {', '.join(a for a, _ in errors + interrupted)}")
+        atomic_write_text(out / "tune.md", "\n".join(table) + "\n")
+    if interrupted:
+        raise TuneError(f"interrupted ({'; '.join(str(e) for _, e in interrupted)}); run the same command again to "
+                        "continue: the running trials resume from their checkpoints")
     if errors:
-        raise errors[0]
+        raise TuneError("\n\n".join(str(e) for _, e in errors)
+                        + (f"\n\n(the presets of the other algorithms are written to {out / 'presets'})" if lines else ""))
     if not install:
         reason = "--install no" if args.install == "no" else f"the overrides {setup_changing(args.extra)} change the setup"
         echo(f"presets written to {out / 'presets'} only ({reason}); use them with "

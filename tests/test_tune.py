@@ -32,6 +32,8 @@ with open(os.environ["FAKE_LOG"], "a") as log:
 lr = float(args.get("optim.lr", 0.3))   # the digits config's lr when the trial runs the defaults
 if lr > float(os.environ.get("FAKE_FAIL_ABOVE", "inf")) or args["algorithm"] == os.environ.get("FAKE_FAIL"):
     print("diverged on purpose"); sys.exit(1)
+if "resume" in args and os.environ.get("FAKE_REFUSE"):      # as fedfew.train refusing a changed config
+    print("error: resume: this run's config differs from the one the checkpoint was written with"); sys.exit(2)
 if args["algorithm"] == os.environ.get("FAKE_SIGNAL") and "resume" not in args:   # Ctrl-C after a checkpoint
     os.makedirs(os.path.join(run_dir, "checkpoints"), exist_ok=True)
     open(os.path.join(run_dir, "checkpoints", "last.ckpt"), "w").write("stand-in")
@@ -280,6 +282,23 @@ def test_a_trial_stopped_by_a_signal_stays_running_and_continues_on_the_next_inv
     new = log.read_text().splitlines()[before:]
     assert len(new) == 3 and sum(" resume=" in line for line in new) == 2   # the 2 trials continued, then the defaults
     assert len(trial_values(out, "fedavg")) == 2 + 1
+
+
+def test_a_refused_checkpoint_starts_the_trial_afresh(tmp_path, fake, monkeypatch):
+    command, log = fake
+    out = tmp_path / "out"
+    assert tune.main(argv(out, 1), command=command) == 0
+    study = load(out)
+    lost = study.ask()
+    lost.suggest_float("optim.lr", 0.03, 0.6, log=True)
+    (out / "fedavg" / f"trial{lost.number:03d}" / "seed0" / "checkpoints").mkdir(parents=True)
+    (out / "fedavg" / f"trial{lost.number:03d}" / "seed0" / "checkpoints" / "last.ckpt").write_text("stand-in")
+    monkeypatch.setenv("FAKE_REFUSE", "1")
+    before = len(log.read_text().splitlines())
+    assert tune.main(argv(out, 2), command=command) == 0
+    new = log.read_text().splitlines()[before:]
+    assert len(new) == 2 and " resume=" in new[0] and " resume=" not in new[1]   # refused, then afresh
+    assert len(trial_values(out)) == 2 + 1
 
 
 def test_parallel_trials_finish_the_same_budget(tmp_path, fake, monkeypatch):

@@ -53,6 +53,7 @@ from typing import Any, Sequence
 
 from fedfew.checkpoint import checkpoint_path
 from fedfew.io import atomic_write_text
+from fedfew.launch import refused_checkpoint
 from fedfew.partition_report import partition_scheme
 
 MAJORITY = "majority label"
@@ -242,8 +243,8 @@ def run_all(runs: Sequence[Run], jobs: int = 1, python: str = sys.executable,
                 echo(f"    {run.algorithm} seed {run.seed} was stopped by a signal after {seconds:.0f} s; its "
                      f"checkpoint is kept: run the same command again to continue it")
             else:
-                hint = (f"\n    it continued from {checkpoint_path(run.dir)}: if the log says that checkpoint was "
-                        f"refused, delete {run.dir / 'checkpoints'} to start the run afresh") if resumed else ""
+                hint = (f"\n    fedfew.train refused to continue from {checkpoint_path(run.dir)} (the log says why); "
+                        f"delete {run.dir / 'checkpoints'} to start the run afresh") if refused_checkpoint(run.log_path) else ""
                 echo(f"    {run.algorithm} seed {run.seed} FAILED after {seconds:.0f} s; log {run.log_path}:\n"
                      + _tail(run.log_path) + hint)
     except BaseException:  # Ctrl-C: start no queued run (the running ones save a checkpoint and stop)

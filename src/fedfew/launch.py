@@ -79,6 +79,17 @@ def interrupted(code: int) -> bool:
     return code < 0 or code > 128
 
 
+def refused_checkpoint(log_path: Path) -> bool:
+    """Whether the last run logged to ``log_path`` stopped because fedfew.train refused to resume
+    from the checkpoint (a config that differs in a key that changes results, e.g. one added by a
+    newer fedfew): its ``ResumeError`` messages start with ``resume``, printed as ``error: resume``."""
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return False
+    return "\nerror: resume" in text[max(0, text.rfind("\n$ ")):]  # the last launch's output only
+
+
 def checkpointing(overrides: Sequence[str]) -> bool:
     """Whether :func:`launch` adds ``checkpoint_every`` (the user did not set it)."""
     return not any(_key(o) == "checkpoint_every" for o in overrides)

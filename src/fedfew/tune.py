@@ -419,7 +419,7 @@ def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[s
         TuneError: a run failed (its log's tail in the message; its checkpoint is deleted).
         TrialInterrupted: a run was stopped by a signal, or ``stop`` was set.
     """
-    from fedfew.launch import interrupted, launch, progress
+    from fedfew.launch import interrupted, launch, progress, refused_checkpoint
 
     scores, wall, cpu = [], 0.0, 0.0
     for seed in plan.seeds:
@@ -436,7 +436,7 @@ def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[s
         if state != "done":
             code, seconds, used, resumed = launch(overrides, run_dir, log_path, command)
             cpu += used
-            if resumed and code == 2:  # the checkpoint was refused (config changed since): start afresh
+            if resumed and code != 0 and refused_checkpoint(log_path):  # config changed since: start afresh
                 shutil.rmtree(run_dir, ignore_errors=True)
                 code, seconds, used, _ = launch(overrides, run_dir, log_path, command)
                 cpu += used

@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import math
+import os
 
 import pytest
 
@@ -347,3 +348,35 @@ def test_a_run_stopped_by_a_signal_is_reported_and_continued_on_the_next_invocat
     assert "(continuing from its checkpoint)" in said[0] and "for its last part" in said[-1]
     assert not (run.dir / "checkpoints").exists()                    # dropped once the run finished
     assert compare.run_all([run], python=str(python), echo=said.append) == {run: "reused"}
+
+
+def test_sigterm_to_the_comparison_alone_stops_its_runs_at_a_checkpoint(tmp_path):
+    """`kill <compare pid>` (or Slurm pre-empting it) passes SIGTERM on to the running training
+    run, which saves a checkpoint and stops: no run is left training without its parent."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "cmp"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedfew.compare", "--dataset", "digits", "--algorithms", "fedavg", "--seeds", "0",
+         "--out", str(out), "--", "rounds=5000", "num_clients=4", "logger=none", "trainer.threads=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    checkpoint = out / "fedavg" / "seed0" / "checkpoints" / "last.ckpt"
+    deadline = time.monotonic() + 300
+    while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert checkpoint.exists(), proc.communicate()[0].decode()[-2000:]
+    proc.send_signal(signal.SIGTERM)                      # the comparison's process only
+    try:
+        printed = proc.communicate(timeout=300)[0].decode()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, printed[-2000:]
+    assert "run the same command again to continue" in printed and "Traceback" not in printed
+    log = (out / "logs" / "fedavg_seed0.log").read_text()
+    assert "stopped by SIGTERM after round" in log and checkpoint.exists()
+    leftover = subprocess.run(["pgrep", "-f", f"hydra.run.dir={out}"], capture_output=True, text=True).stdout
+    assert leftover.strip() == ""                         # nothing trains on without its parent

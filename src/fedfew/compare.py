@@ -53,7 +53,7 @@ from typing import Any, Sequence
 
 from fedfew.checkpoint import checkpoint_path
 from fedfew.io import atomic_write_text
-from fedfew.launch import refused_checkpoint
+from fedfew.launch import refused_checkpoint, tidy
 from fedfew.partition_report import partition_scheme
 
 MAJORITY = "majority label"
@@ -165,13 +165,15 @@ def check_reusable(run: Run) -> str:
             :func:`fedfew.runs.result_overrides`).
     """
     from fedfew.launch import progress, recorded_overrides
+    from fedfew.runs import result_overrides
 
     state = progress(run.dir, run.task_overrides())
     if state == "stale":
         what = run.results_path if run.results_path.exists() else f"the checkpoint in {run.dir}"
         raise CompareError(
-            f"{what} was produced with overrides {recorded_overrides(run.dir)}, this comparison asks for "
-            f"{run.task_overrides()}; use another --out (COMPARE_OUT=...) or delete {run.dir}"
+            f"{what} was produced with overrides {result_overrides(recorded_overrides(run.dir) or [])}, this "
+            f"comparison asks for {result_overrides(run.task_overrides())}; use another --out (COMPARE_OUT=...) "
+            f"or delete {run.dir}"
         )
     return state
 
@@ -217,6 +219,7 @@ def run_all(runs: Sequence[Run], jobs: int = 1, python: str = sys.executable,
     todo = []
     for run in runs:
         if check_reusable(run) == "done":
+            tidy(run.dir, run.overrides())  # finished by a run a killed comparison left behind
             status[run] = "reused"
         else:
             todo.append(run)
@@ -827,8 +830,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from fedfew.launch import pass_signals_on, stopped_exit_code
+
+    pass_signals_on()
     try:
         sys.exit(main())
     except (CompareError, ValueError) as err:  # stale results, mismatched partitions, unknown names
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM / SIGHUP passed on to the runs
+        print("\ncomparison stopped: the finished runs are kept and the running ones saved a checkpoint; run "
+              "the same command again to continue", file=sys.stderr)
+        sys.exit(stopped_exit_code(err))

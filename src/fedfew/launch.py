@@ -19,7 +19,9 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Sequence
@@ -122,14 +124,71 @@ def launch(overrides: Sequence[str], run_dir: Path, log_path: Path,
     with log_path.open("a" if resumed else "w") as log:  # a continued run's log keeps its first part
         log.write("$ " + " ".join(shlex.quote(a) for a in argv) + "\n")
         log.flush()
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        with _LOCK:
+            if _STOPPING.is_set():  # a signal arrived: start nothing (an exit code as if stopped at once)
+                return 128 + signal.SIGTERM, 0.0, 0.0, resumed
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            _RUNNING.add(proc)
         try:
             _, status, usage = os.wait4(proc.pid, 0)
         except BaseException:
             proc.kill()
             proc.wait()
             raise
+        finally:
+            with _LOCK:
+                _RUNNING.discard(proc)
     code = os.waitstatus_to_exitcode(status)
-    if code == 0 and (run_dir / RESULTS).exists() and checkpointing(overrides):
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    if code == 0:
+        tidy(run_dir, overrides)
     return code, time.perf_counter() - start, usage.ru_utime + usage.ru_stime, resumed
+
+
+def tidy(run_dir: Path, overrides: Sequence[str]) -> None:
+    """Delete a finished run's checkpoint when :func:`launch` added the checkpointing (not the
+    user); also for a run found finished (e.g. by a process left running by a killed tool)."""
+    if (Path(run_dir) / RESULTS).exists() and checkpointing(overrides):
+        shutil.rmtree(Path(run_dir) / "checkpoints", ignore_errors=True)
+
+
+# -- signals ------------------------------------------------------------------------------------
+
+_LOCK = threading.Lock()
+_RUNNING: set[subprocess.Popen] = set()
+_STOPPING = threading.Event()
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP reached the tool (raised in its main thread, like Ctrl-C's
+    KeyboardInterrupt). ``signum``: the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def pass_signals_on() -> None:
+    """In the tool's main thread: on SIGTERM or SIGHUP (a ``kill``, Slurm's pre-emption, a closed
+    terminal), send SIGTERM to every running training run, so each saves a checkpoint at the end
+    of its round and stops, start no new run, and raise :class:`Stopped` (Ctrl-C reaches the runs
+    by itself: they share the terminal's process group). Without this the runs would train on with
+    no parent, and a rerun would race them for their folders."""
+
+    def handler(signum, frame):
+        with _LOCK:
+            _STOPPING.set()
+            running = list(_RUNNING)
+        for proc in running:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except OSError:  # already gone
+                pass
+        raise Stopped(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, handler)
+
+
+def stopped_exit_code(err: KeyboardInterrupt) -> int:
+    """The tool's exit code after Ctrl-C (130) or :class:`Stopped` (128 + signum)."""
+    return 128 + (err.signum if isinstance(err, Stopped) else signal.SIGINT)

@@ -419,7 +419,7 @@ def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[s
         TuneError: a run failed (its log's tail in the message; its checkpoint is deleted).
         TrialInterrupted: a run was stopped by a signal, or ``stop`` was set.
     """
-    from fedfew.launch import interrupted, launch, progress, refused_checkpoint
+    from fedfew.launch import interrupted, launch, progress, refused_checkpoint, tidy
 
     scores, wall, cpu = [], 0.0, 0.0
     for seed in plan.seeds:
@@ -433,7 +433,9 @@ def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[s
             shutil.rmtree(run_dir, ignore_errors=True)
         results_path = run_dir / "results.json"
         code, seconds = 0, 0.0
-        if state != "done":
+        if state == "done":
+            tidy(run_dir, overrides)  # finished by a run a killed tune left behind
+        else:
             code, seconds, used, resumed = launch(overrides, run_dir, log_path, command)
             cpu += used
             if resumed and code != 0 and refused_checkpoint(log_path):  # config changed since: start afresh
@@ -508,8 +510,8 @@ def _requeue_interrupted(study, plan: Plan, echo) -> None:
             source = int(trials[source].user_attrs["resume_from"])
         study.enqueue_trial(dict(trial.params), user_attrs={"resume_from": source})
         study.tell(trial.number, state=TrialState.FAIL)
-        echo(f"  {plan.algorithm}: trial {trial.number} was interrupted; running it again with the same values, "
-             "from its checkpoint where it has one")
+        echo(f"  {plan.algorithm}: trial {trial.number} did not finish in the last invocation; running it again with "
+             "the same values, from its checkpoint where it has one")
 
 
 def _take_over(plan: Plan, trial) -> None:
@@ -522,6 +524,10 @@ def _take_over(plan: Plan, trial) -> None:
     if old.is_dir() and old != new:
         shutil.rmtree(new, ignore_errors=True)
         old.rename(new)
+        for seed in plan.seeds:  # the logs go with it (a continued run appends to its log)
+            log = plan.out / "logs" / f"{plan.algorithm}_trial{int(source):03d}_seed{seed}.log"
+            if log.exists():
+                log.rename(plan.out / "logs" / f"{plan.algorithm}_trial{trial.number:03d}_seed{seed}.log")
 
 
 def completed(study) -> list:
@@ -982,8 +988,15 @@ def _write_preset(plan: Plan, study, out: Path, install: bool, command_line: str
 
 
 if __name__ == "__main__":
+    from fedfew.launch import pass_signals_on, stopped_exit_code
+
+    pass_signals_on()
     try:
         sys.exit(main())
     except TuneError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM / SIGHUP passed on to the runs
+        print("\ntune stopped: the finished trials are kept and the running ones saved a checkpoint; run the "
+              "same command again to continue", file=sys.stderr)
+        sys.exit(stopped_exit_code(err))

@@ -68,6 +68,13 @@ def load(out, algorithm="fedavg"):
     return optuna.load_study(study_name=f"digits_{algorithm}", storage=f"sqlite:///{out / algorithm / 'study.db'}")
 
 
+def left_running(out, algorithm="fedavg"):
+    """A trial asked and given its lr, never told: what a killed tune leaves in its study."""
+    trial = load(out, algorithm).ask()
+    trial.suggest_float("optim.lr", 0.03, 0.6, log=True)
+    return trial
+
+
 def trial_values(out, algorithm="fedavg"):
     """(values, score) of every finished sampled trial, then the config defaults' score."""
     from optuna.trial import TrialState
@@ -211,9 +218,7 @@ def test_an_interrupted_trial_runs_again_with_its_values_and_a_failed_one_stops_
     command, log = fake
     out = tmp_path / "out"
     assert tune.main(argv(out, 2), command=command) == 0
-    study = load(out)
-    stale = study.ask()
-    stale.suggest_float("optim.lr", 0.03, 0.6, log=True)  # left running, as by a killed tune
+    stale = left_running(out)
     lost = stale.params["optim.lr"]
     (out / "fedavg" / f"trial{stale.number:03d}").mkdir()
     assert tune.main(argv(out, 3), command=command) == 0
@@ -234,9 +239,8 @@ def test_an_interrupted_trial_reuses_its_finished_runs_and_continues_its_checkpo
     command, log = fake
     out = tmp_path / "out"
     assert tune.main(argv(out, 1, "--seeds", "0", "1", "2"), command=command) == 0
-    study = load(out)
-    lost = study.ask()
-    lr = lost.suggest_float("optim.lr", 0.03, 0.6, log=True)   # left running, as by a killed tune
+    lost = left_running(out)
+    lr = lost.params["optim.lr"]
     folder = out / "fedavg" / f"trial{lost.number:03d}"
     acc = 0.4321
     (folder / "seed0").mkdir(parents=True)                      # seed 0 finished before the kill
@@ -288,9 +292,7 @@ def test_a_refused_checkpoint_starts_the_trial_afresh(tmp_path, fake, monkeypatc
     command, log = fake
     out = tmp_path / "out"
     assert tune.main(argv(out, 1), command=command) == 0
-    study = load(out)
-    lost = study.ask()
-    lost.suggest_float("optim.lr", 0.03, 0.6, log=True)
+    lost = left_running(out)
     (out / "fedavg" / f"trial{lost.number:03d}" / "seed0" / "checkpoints").mkdir(parents=True)
     (out / "fedavg" / f"trial{lost.number:03d}" / "seed0" / "checkpoints" / "last.ckpt").write_text("stand-in")
     monkeypatch.setenv("FAKE_REFUSE", "1")

@@ -53,7 +53,7 @@ from typing import Any, Sequence
 
 from fedfew.checkpoint import checkpoint_path
 from fedfew.io import atomic_write_text
-from fedfew.launch import refused_checkpoint, tidy
+from fedfew.launch import launch, outcome, progress, recorded_overrides, refused_checkpoint, tidy
 from fedfew.partition_report import partition_scheme
 
 MAJORITY = "majority label"
@@ -164,7 +164,6 @@ def check_reusable(run: Run) -> str:
             results: another thread count, e.g. JOBS=1 after JOBS=2, does not count,
             :func:`fedfew.runs.result_overrides`).
     """
-    from fedfew.launch import progress, recorded_overrides
     from fedfew.runs import result_overrides
 
     state = progress(run.dir, run.task_overrides())
@@ -186,11 +185,8 @@ def execute(run: Run, python: str = sys.executable) -> tuple[str, float, float, 
         (``done`` | ``failed`` | ``interrupted`` (stopped by a signal: its checkpoint is kept), wall
         seconds, CPU seconds of the subprocess: user + system, whether it resumed).
     """
-    from fedfew.launch import interrupted, launch
-
     code, wall, cpu, resumed = launch(run.overrides(), run.dir, run.log_path, (python, "-m", "fedfew.train"))
-    state = "done" if code == 0 and run.results_path.exists() else "interrupted" if interrupted(code) else "failed"
-    return state, wall, cpu, resumed
+    return outcome(code, run.dir), wall, cpu, resumed
 
 
 def _tail(path: Path, lines: int = 15) -> str:

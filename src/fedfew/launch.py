@@ -81,6 +81,14 @@ def interrupted(code: int) -> bool:
     return code < 0 or code > 128
 
 
+def outcome(code: int, run_dir: Path) -> str:
+    """A launched run's end: ``done`` (exit 0 and results.json), ``interrupted`` (a signal stopped
+    it, :func:`interrupted`: its checkpoint is kept) or ``failed``."""
+    if code == 0 and (Path(run_dir) / RESULTS).exists():
+        return "done"
+    return "interrupted" if interrupted(code) else "failed"
+
+
 def refused_checkpoint(log_path: Path) -> bool:
     """Whether the last run logged to ``log_path`` stopped because fedfew.train refused to resume
     from the checkpoint (a config that differs in a key that changes results, e.g. one added by a

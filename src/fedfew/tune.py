@@ -419,7 +419,7 @@ def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[s
         TuneError: a run failed (its log's tail in the message; its checkpoint is deleted).
         TrialInterrupted: a run was stopped by a signal, or ``stop`` was set.
     """
-    from fedfew.launch import interrupted, launch, progress, refused_checkpoint, tidy
+    from fedfew.launch import launch, outcome, progress, refused_checkpoint, tidy
 
     scores, wall, cpu = [], 0.0, 0.0
     for seed in plan.seeds:
@@ -442,10 +442,11 @@ def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[s
                 shutil.rmtree(run_dir, ignore_errors=True)
                 code, seconds, used, _ = launch(overrides, run_dir, log_path, command)
                 cpu += used
-        if interrupted(code):
+        end = outcome(code, run_dir)
+        if end == "interrupted":
             raise TrialInterrupted(f"{plan.algorithm} {name} (seed {seed}) was stopped by a signal "
                                    f"(exit code {code}); its checkpoint is kept")
-        if code != 0 or not results_path.exists():
+        if end == "failed":
             shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a failed trial is not repeated
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
             raise TuneError(f"{plan.algorithm} {name} (seed {seed}, {values or 'config defaults'}) failed; "

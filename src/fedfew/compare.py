@@ -53,7 +53,8 @@ from typing import Any, Sequence
 
 from fedfew.checkpoint import checkpoint_path
 from fedfew.io import atomic_write_text
-from fedfew.launch import launch, outcome, progress, recorded_overrides, refused_checkpoint, tidy
+from fedfew.launch import (Busy, check_not_training, exclusive, launch, outcome, progress, recorded_overrides,
+                           refused_checkpoint, tidy)
 from fedfew.partition_report import partition_scheme
 
 MAJORITY = "majority label"
@@ -163,9 +164,11 @@ def check_reusable(run: Run) -> str:
         CompareError: its results or checkpoint come from different overrides (those that change
             results: another thread count, e.g. JOBS=1 after JOBS=2, does not count,
             :func:`fedfew.runs.result_overrides`).
+        Busy: a live process still trains it (:func:`fedfew.launch.check_not_training`).
     """
     from fedfew.runs import result_overrides
 
+    check_not_training(run.dir)
     state = progress(run.dir, run.task_overrides())
     if state == "stale":
         what = run.results_path if run.results_path.exists() else f"the checkpoint in {run.dir}"
@@ -796,32 +799,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     reference = args.reference if args.reference in algorithms else algorithms[0]
     runs = [Run(alg, seed, out, tuple(args.extra), args.dataset, *presets[alg]) for seed in args.seeds
             for alg in algorithms]
-    start = time.perf_counter()
-    status = run_all(runs, jobs=args.jobs)
-    results = collect([r for r in runs if status.get(r) in ("done", "reused")])  # a failed run's results stay out
-    rows, warnings = summarize(results, algorithms, reference, {a: p[1] for a, p in presets.items()})
-    title, notes = describe(rows, results, args.dataset, args.seeds, reference)
-    if left_out:
-        notes.append("left out (they cannot run on this setup): " + "; ".join(left_out))
-    failed = [f"{r.algorithm}/seed{r.seed}" for r, s in status.items() if s == "failed"]
-    if failed:
-        warnings.append(f"failed runs (left out; logs in {out / 'logs'}): {', '.join(failed)}")
-    stopped = [f"{r.algorithm}/seed{r.seed}" for r, s in status.items() if s == "interrupted"]
-    if stopped:
-        warnings.append(f"runs stopped by a signal (left out; run the same command again to continue them from "
-                        f"their checkpoints): {', '.join(stopped)}")
-    elapsed = time.perf_counter() - start
-    run_wall = sum(float(r.get("wall_time_s") or 0.0) for r in results.values())
-    notes.append(f"command: `python -m fedfew.compare {' '.join(shlex.quote(a) for a in argv)}`; this invocation "
-                 f"took {elapsed / 60:.1f} min with {args.jobs} job(s) ({len(status) - sum(s == 'reused' for s in status.values())} "
-                 f"run(s) trained); the {len(results)} runs' round loops took {run_wall / 60:.1f} min in total")
-    write_tables(out, rows, title, [*warnings, *notes])
-    majority = next((r["acc_mean"] for r in rows if r["algorithm"] == MAJORITY), None)
-    if results:
-        write_plots(out, results, algorithms, majority, title)
-    print(to_markdown(rows, title, [*warnings, *notes]))
-    print(f"wrote {out / 'compare.csv'}, {out / 'compare.md'}, accuracy_rounds.png and accuracy_bytes.png "
-          f"({elapsed:.0f} s)")
+    with exclusive(out, "make compare"):  # one tool at a time writes into out
+        start = time.perf_counter()
+        status = run_all(runs, jobs=args.jobs)
+        results = collect([r for r in runs if status.get(r) in ("done", "reused")])  # a failed run's results stay out
+        rows, warnings = summarize(results, algorithms, reference, {a: p[1] for a, p in presets.items()})
+        title, notes = describe(rows, results, args.dataset, args.seeds, reference)
+        if left_out:
+            notes.append("left out (they cannot run on this setup): " + "; ".join(left_out))
+        failed = [f"{r.algorithm}/seed{r.seed}" for r, s in status.items() if s == "failed"]
+        if failed:
+            warnings.append(f"failed runs (left out; logs in {out / 'logs'}): {', '.join(failed)}")
+        stopped = [f"{r.algorithm}/seed{r.seed}" for r, s in status.items() if s == "interrupted"]
+        if stopped:
+            warnings.append(f"runs stopped by a signal (left out; run the same command again to continue them from "
+                            f"their checkpoints): {', '.join(stopped)}")
+        elapsed = time.perf_counter() - start
+        run_wall = sum(float(r.get("wall_time_s") or 0.0) for r in results.values())
+        notes.append(f"command: `python -m fedfew.compare {' '.join(shlex.quote(a) for a in argv)}`; this invocation "
+                     f"took {elapsed / 60:.1f} min with {args.jobs} job(s) ({len(status) - sum(s == 'reused' for s in status.values())} "
+                     f"run(s) trained); the {len(results)} runs' round loops took {run_wall / 60:.1f} min in total")
+        write_tables(out, rows, title, [*warnings, *notes])
+        majority = next((r["acc_mean"] for r in rows if r["algorithm"] == MAJORITY), None)
+        if results:
+            write_plots(out, results, algorithms, majority, title)
+        print(to_markdown(rows, title, [*warnings, *notes]))
+        print(f"wrote {out / 'compare.csv'}, {out / 'compare.md'}, accuracy_rounds.png and accuracy_bytes.png "
+              f"({elapsed:.0f} s)")
     return 1 if failed or stopped else 0
 
 
@@ -831,7 +835,7 @@ if __name__ == "__main__":
     pass_signals_on()
     try:
         sys.exit(main())
-    except (CompareError, ValueError) as err:  # stale results, mismatched partitions, unknown names
+    except (CompareError, Busy, ValueError) as err:  # stale results, a busy folder, unknown names
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM / SIGHUP passed on to the runs

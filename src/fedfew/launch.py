@@ -13,9 +13,14 @@ is about 0.25 GB), unless the user set ``checkpoint_every`` themselves.
 A run folder is picked up only when it was made with the same overrides, up to those that do
 not change results (:func:`fedfew.runs.result_overrides`); the callers decide what to do with
 one that was not (compare refuses, the tune starts the trial afresh).
+
+Two tools never write into one folder at once: each holds :data:`LOCK_FILE` of its output folder
+while it runs (:func:`exclusive`), and :func:`launch` refuses a run folder that a live process
+still trains (one left behind by a tool killed with SIGKILL, which cannot pass the signal on).
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shlex
 import shutil
@@ -23,8 +28,9 @@ import signal
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from fedfew.checkpoint import checkpoint_path
 
@@ -33,6 +39,63 @@ from fedfew.checkpoint import checkpoint_path
 CHECKPOINT_EVERY = 5
 
 RESULTS = "results.json"
+#: held (``flock``) in a tool's output folder while ``make compare`` or ``make tune`` writes there;
+#: it holds the holder's description
+LOCK_FILE = ".fedfew.lock"
+
+
+class Busy(RuntimeError):
+    """Another process writes into the folder: a tool holds its :data:`LOCK_FILE`, or a live
+    process trains the run folder."""
+
+
+@contextmanager
+def exclusive(folder: Path, tool: str) -> Iterator[None]:
+    """Hold ``folder``'s :data:`LOCK_FILE` while the block runs (the folder is created).
+
+    The lock is an ``flock``, so the system releases it when the holder ends, even when killed;
+    a leftover file locks nothing.
+
+    Args:
+        tool: what holds it, for the message of the one refused (``make compare``).
+    Raises:
+        Busy: another process holds it (the message names that process and how to go on).
+    """
+    import socket
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = (folder / LOCK_FILE).open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise Busy(f"{folder} is in use by {holder}: two tools writing into one folder would spoil each "
+                   f"other's runs; wait for it to end, stop it, or use another output folder") from None
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{tool} (host {socket.gethostname()}, pid {os.getpid()}, since "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # releases the lock
+
+
+def check_not_training(run_dir: Path) -> None:
+    """Raise :class:`Busy` when a live process on this host trains ``run_dir``
+    (:data:`fedfew.runs.PID_FILE`), e.g. a run whose tool was killed with SIGKILL."""
+    from fedfew.runs import live_trainer
+
+    holder = live_trainer(run_dir)
+    if holder:
+        pid = holder.split()[-1]
+        raise Busy(f"{run_dir} is being trained by process {pid} on {holder.split()[0]} (left running by an "
+                   f"earlier, killed tool?); wait for it to end or stop it (kill {pid}, it saves a checkpoint), "
+                   f"then run the same command again")
 
 
 def _key(override: str) -> str:
@@ -120,8 +183,11 @@ def launch(overrides: Sequence[str], run_dir: Path, log_path: Path,
     Returns:
         (exit code, wall seconds, CPU seconds of the subprocess (user + system), whether it
         resumed from a checkpoint).
+    Raises:
+        Busy: a live process already trains ``run_dir`` (:func:`check_not_training`).
     """
     run_dir = Path(run_dir)
+    check_not_training(run_dir)
     extra = [f"checkpoint_every={CHECKPOINT_EVERY}"] if checkpointing(overrides) else []
     resumed = checkpoint_path(run_dir).is_file()
     if resumed:

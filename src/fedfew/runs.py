@@ -189,6 +189,15 @@ def clear_running(run_dir: str | Path) -> None:
     (Path(run_dir) / PID_FILE).unlink(missing_ok=True)
 
 
+def live_trainer(run_dir: str | Path) -> str | None:
+    """``"<host> <pid>"`` of the process training ``run_dir`` when that process still runs on this
+    host (:data:`PID_FILE`); None otherwise (no file, a dead process, or another host)."""
+    try:
+        return (Path(run_dir) / PID_FILE).read_text().strip() if _alive(Path(run_dir)) else None
+    except OSError:  # the run ended meanwhile
+        return None
+
+
 def _alive(run_dir: Path) -> bool | None:
     """Whether the process in the run's :data:`PID_FILE` still runs; None when unknown (no
     file, or a process on another host)."""

@@ -69,6 +69,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from fedfew.io import atomic_write_text
+from fedfew.launch import (Busy, check_not_training, exclusive, launch, outcome, pass_signals_on, progress,
+                           refused_checkpoint, stopped_exit_code, tidy)
 from fedfew.partition_report import partition_scheme
 from fedfew.seeding import derive_seed
 
@@ -419,8 +421,6 @@ def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[s
         TuneError: a run failed (its log's tail in the message; its checkpoint is deleted).
         TrialInterrupted: a run was stopped by a signal, or ``stop`` was set.
     """
-    from fedfew.launch import launch, outcome, progress, refused_checkpoint, tidy
-
     scores, wall, cpu = [], 0.0, 0.0
     for seed in plan.seeds:
         if stop is not None and stop.is_set():
@@ -428,6 +428,10 @@ def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[s
         run_dir = plan.dir / name / f"seed{seed}"
         log_path = plan.out / "logs" / f"{plan.algorithm}_{name}_seed{seed}.log"
         overrides = plan.trial_overrides(values, seed, run_dir)
+        try:  # before anything in the folder is removed
+            check_not_training(run_dir)
+        except Busy as err:
+            raise TuneError(f"{plan.algorithm} {name} (seed {seed}): {err}") from None
         state = progress(run_dir, overrides)
         if state in ("stale", "none"):
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -914,59 +918,60 @@ def main(argv: Sequence[str] | None = None, command: Sequence[str] = TRAIN_COMMA
         echo(note)
     install = args.install == "yes" or (args.install == "auto" and not setup_changing(args.extra))
     command_line = " ".join(shlex.quote(a) for a in ["python", "-m", "fedfew.tune", *argv])
-    for plan in all_plans:  # a folder holding another tune is refused before anything runs
-        open_study(plan)
-    start = time.perf_counter()
-    lines, errors, interrupted = [], [], []
-    for plan in all_plans:
-        echo(f"{plan.algorithm}: {plan.trials} trials on {describe_setup(plan.cfg)}; search "
-             + "; ".join(d.describe() for d in plan.space))
-    # every study runs in its own thread on the shared workers (Slots), started in the listed order:
-    # the earlier-listed algorithm's runs first, the next one filling any idle worker
-    slots = Slots(args.jobs)
-    try:
-        with ThreadPoolExecutor(max_workers=len(all_plans)) as studies:
-            try:
-                futures = []
-                for i, plan in enumerate(all_plans):
-                    queued = threading.Event()
-                    futures.append(studies.submit(tune_algorithm, plan, command, echo, slots, i, queued))
-                    queued.wait()
-                for plan, future in zip(all_plans, futures):
-                    try:
-                        study = future.result()
-                    except TuneError as err:  # the other algorithms go on; said now, raised at the end
-                        echo(f"  {plan.algorithm} stopped: {str(err).splitlines()[0]}")
-                        errors.append((plan.algorithm, err))
-                        continue
-                    except TrialInterrupted as err:
-                        interrupted.append((plan.algorithm, err))
-                        continue
-                    lines.append(_write_preset(plan, study, out, install, command_line, echo))
-            except BaseException:  # Ctrl-C: start nothing new (the running trials save a checkpoint and stop)
-                slots.stop()
-                raise
-    finally:
-        slots.close(wait=False)
-    if lines:
-        table = ["# tune: " + args.dataset, "", f"command: `{command_line}`", "",
-                 "| algorithm | best validation acc | values | config defaults' validation acc | sampled trials | "
-                 "trials' wall time, summed (min) |", "|---|---|---|---|---|---|",
-                 *lines, "", f"total wall time of this invocation: {(time.perf_counter() - start) / 60:.1f} min"]
-        if errors or interrupted:
-            table.append(f"not finished: {', '.join(a for a, _ in errors + interrupted)}")
-        atomic_write_text(out / "tune.md", "\n".join(table) + "\n")
-    if interrupted:
-        raise TuneError(f"interrupted ({'; '.join(str(e) for _, e in interrupted)}); run the same command again to "
-                        "continue: the running trials resume from their checkpoints")
-    if errors:
-        raise TuneError("\n\n".join(str(e) for _, e in errors)
-                        + (f"\n\n(the presets of the other algorithms are written to {out / 'presets'})" if lines else ""))
-    if not install:
-        reason = "--install no" if args.install == "no" else f"the overrides {setup_changing(args.extra)} change the setup"
-        echo(f"presets written to {out / 'presets'} only ({reason}); use them with "
-             f"make compare PRESETS={out / 'presets'} (or python -m fedfew.compare --presets ...)")
-    echo(f"tune done in {(time.perf_counter() - start) / 60:.1f} min; summary {out / 'tune.md'}")
+    with exclusive(out, "make tune"):  # one tool at a time writes into out
+        for plan in all_plans:  # a folder holding another tune is refused before anything runs
+            open_study(plan)
+        start = time.perf_counter()
+        lines, errors, interrupted = [], [], []
+        for plan in all_plans:
+            echo(f"{plan.algorithm}: {plan.trials} trials on {describe_setup(plan.cfg)}; search "
+                 + "; ".join(d.describe() for d in plan.space))
+        # every study runs in its own thread on the shared workers (Slots), started in the listed order:
+        # the earlier-listed algorithm's runs first, the next one filling any idle worker
+        slots = Slots(args.jobs)
+        try:
+            with ThreadPoolExecutor(max_workers=len(all_plans)) as studies:
+                try:
+                    futures = []
+                    for i, plan in enumerate(all_plans):
+                        queued = threading.Event()
+                        futures.append(studies.submit(tune_algorithm, plan, command, echo, slots, i, queued))
+                        queued.wait()
+                    for plan, future in zip(all_plans, futures):
+                        try:
+                            study = future.result()
+                        except TuneError as err:  # the other algorithms go on; said now, raised at the end
+                            echo(f"  {plan.algorithm} stopped: {str(err).splitlines()[0]}")
+                            errors.append((plan.algorithm, err))
+                            continue
+                        except TrialInterrupted as err:
+                            interrupted.append((plan.algorithm, err))
+                            continue
+                        lines.append(_write_preset(plan, study, out, install, command_line, echo))
+                except BaseException:  # Ctrl-C: start nothing new (the running trials save a checkpoint and stop)
+                    slots.stop()
+                    raise
+        finally:
+            slots.close(wait=False)
+        if lines:
+            table = ["# tune: " + args.dataset, "", f"command: `{command_line}`", "",
+                     "| algorithm | best validation acc | values | config defaults' validation acc | sampled trials | "
+                     "trials' wall time, summed (min) |", "|---|---|---|---|---|---|",
+                     *lines, "", f"total wall time of this invocation: {(time.perf_counter() - start) / 60:.1f} min"]
+            if errors or interrupted:
+                table.append(f"not finished: {', '.join(a for a, _ in errors + interrupted)}")
+            atomic_write_text(out / "tune.md", "\n".join(table) + "\n")
+        if interrupted:
+            raise TuneError(f"interrupted ({'; '.join(str(e) for _, e in interrupted)}); run the same command again to "
+                            "continue: the running trials resume from their checkpoints")
+        if errors:
+            raise TuneError("\n\n".join(str(e) for _, e in errors)
+                            + (f"\n\n(the presets of the other algorithms are written to {out / 'presets'})" if lines else ""))
+        if not install:
+            reason = "--install no" if args.install == "no" else f"the overrides {setup_changing(args.extra)} change the setup"
+            echo(f"presets written to {out / 'presets'} only ({reason}); use them with "
+                 f"make compare PRESETS={out / 'presets'} (or python -m fedfew.compare --presets ...)")
+        echo(f"tune done in {(time.perf_counter() - start) / 60:.1f} min; summary {out / 'tune.md'}")
     return 0
 
 
@@ -989,12 +994,10 @@ def _write_preset(plan: Plan, study, out: Path, install: bool, command_line: str
 
 
 if __name__ == "__main__":
-    from fedfew.launch import pass_signals_on, stopped_exit_code
-
     pass_signals_on()
     try:
         sys.exit(main())
-    except TuneError as err:
+    except (TuneError, Busy) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM / SIGHUP passed on to the runs

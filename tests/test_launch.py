@@ -1,0 +1,94 @@
+"""Two tools never write into one folder at once (fedfew.launch.exclusive, check_not_training)."""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fedfew import compare, runs, tune
+from fedfew.launch import LOCK_FILE, Busy, exclusive, launch
+from fedfew.tune import TuneError
+
+from test_tune import FAKE_TRAIN
+
+HOLDER = textwrap.dedent('''
+    import sys, time
+    from fedfew.launch import exclusive
+    with exclusive(sys.argv[1], "make compare"):
+        print("held", flush=True)
+        time.sleep(120)
+''')
+
+
+@pytest.fixture
+def sleeper():
+    """A live process that is not ours (stands in for a training run left behind)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_folder_in_use_by_another_tool_is_refused_until_its_holder_ends(tmp_path):
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert f"make compare (host {socket.gethostname()}, pid {holder.pid}, since " in (out / LOCK_FILE).read_text()
+        with pytest.raises(Busy, match=rf"in use by make compare \(host .*pid {holder.pid}.*use another output folder"):
+            with exclusive(out, "make tune"):
+                pass
+        # both tools refuse before training anything or opening a study
+        with pytest.raises(Busy, match="in use by make compare"):
+            compare.main(["--dataset", "digits", "--algorithms", "fedavg", "--seeds", "0", "--out", str(out),
+                          "--", "rounds=1", "num_clients=4"])
+        with pytest.raises(Busy, match="in use by make compare"):
+            tune.main(["--dataset", "digits", "--algorithms", "fedavg", "--trials", "1", "--out", str(out),
+                       "--install", "no", "--", "num_clients=4", "rounds=1"], command=["false"])
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]
+    finally:
+        holder.send_signal(signal.SIGKILL)  # even a killed holder releases the lock
+        holder.wait()
+    with exclusive(out, "make tune"):
+        assert (out / LOCK_FILE).read_text().startswith("make tune (host ")
+    with exclusive(out, "make tune"):  # and a leftover file locks nothing
+        pass
+
+
+def test_a_run_folder_that_a_live_process_trains_is_left_alone(tmp_path, sleeper, monkeypatch):
+    run_dir = tmp_path / "fedavg" / "seed0"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.ckpt").write_text("stand-in")
+    (run_dir / runs.PID_FILE).write_text(f"{socket.gethostname()} {sleeper.pid}\n")
+    log = tmp_path / "run.log"
+    with pytest.raises(Busy, match=rf"being trained by process {sleeper.pid} .*kill {sleeper.pid}"):
+        launch(["hydra.run.dir=" + str(run_dir)], run_dir, log, ["true"])
+    assert not log.exists()
+    # compare says so before any run starts
+    run = compare.Run("fedavg", 0, tmp_path, (), "digits", (), "")
+    assert run.dir == run_dir
+    with pytest.raises(Busy, match=f"being trained by process {sleeper.pid}"):
+        compare.check_reusable(run)
+    # the tune neither removes nor trains into it (the folder of the defaults run here)
+    out = tmp_path / "tune"
+    busy = out / "fedavg" / "defaults" / "seed0"
+    busy.mkdir(parents=True)
+    (busy / "stand-in").write_text("x")
+    (busy / runs.PID_FILE).write_text(f"{socket.gethostname()} {sleeper.pid}\n")
+    fake = tmp_path / "fake_train.py"
+    fake.write_text(FAKE_TRAIN)
+    monkeypatch.setenv("FAKE_LOG", str(tmp_path / "invocations.log"))
+    with pytest.raises(TuneError, match=f"(?s)fedavg defaults \\(seed 0\\): .*being trained by process {sleeper.pid}"):
+        tune.main(["--dataset", "digits", "--algorithms", "fedavg", "--trials", "1", "--out", str(out),
+                   "--install", "no", "--", "num_clients=4", "rounds=1"], command=[sys.executable, str(fake)])
+    assert (busy / "stand-in").read_text() == "x"
+    assert str(busy) not in (tmp_path / "invocations.log").read_text()  # the sampled trial ran, this one not
+    # once that process has ended, the folder is free again
+    sleeper.kill()
+    sleeper.wait()
+    assert runs.live_trainer(run_dir) is None
+    assert compare.check_reusable(run) == "checkpoint"

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from fedfew import compare, runs, tune
-from fedfew.launch import LOCK_FILE, Busy, exclusive, launch
+from fedfew.launch import FAILED_RESULTS, LOCK_FILE, Busy, exclusive, launch, outcome, progress
 from fedfew.tune import TuneError
 
 from test_tune import FAKE_TRAIN
@@ -92,3 +92,23 @@ def test_a_run_folder_that_a_live_process_trains_is_left_alone(tmp_path, sleeper
     sleeper.wait()
     assert runs.live_trainer(run_dir) is None
     assert compare.check_reusable(run) == "checkpoint"
+
+
+def test_a_run_that_fails_after_writing_its_results_is_failed_on_every_invocation(tmp_path):
+    """Its results.json is moved aside, so a rerun does not reuse as finished what the first
+    invocation left out as failed."""
+    run_dir = tmp_path / "fedavg" / "seed0"
+    script = ("import json, pathlib, sys; d = pathlib.Path(sys.argv[1].split('=', 1)[1]); d.mkdir(parents=True); "
+              "(d / 'results.json').write_text(json.dumps({'summary': {'acc_mean': 0.5}})); "
+              "sys.exit(next((int(a[5:]) for a in sys.argv if a.startswith('exit=')), 1))")
+    overrides = [f"hydra.run.dir={run_dir}"]
+    code, *_ = launch(overrides, run_dir, tmp_path / "run.log", [sys.executable, "-c", script])
+    assert code == 1 and outcome(code, run_dir) == "failed"
+    assert not (run_dir / "results.json").exists()
+    assert (run_dir / FAILED_RESULTS).read_text() == '{"summary": {"acc_mean": 0.5}}'
+    assert progress(run_dir, overrides) == "none"
+    # one that succeeds keeps its results
+    (run_dir / FAILED_RESULTS).unlink()
+    run_dir.rmdir()
+    code, *_ = launch([*overrides, "exit=0"], run_dir, tmp_path / "run.log", [sys.executable, "-c", script])
+    assert code == 0 and outcome(code, run_dir) == "done" and progress(run_dir, [*overrides, "exit=0"]) == "done"

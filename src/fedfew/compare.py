@@ -53,8 +53,8 @@ from typing import Any, Sequence
 
 from fedfew.checkpoint import checkpoint_path
 from fedfew.io import atomic_write_text
-from fedfew.launch import (Busy, check_not_training, exclusive, launch, outcome, progress, recorded_overrides,
-                           refused_checkpoint, tidy)
+from fedfew.launch import (FAILED_RESULTS, Busy, check_not_training, exclusive, launch, outcome, progress,
+                           recorded_overrides, refused_checkpoint, tidy)
 from fedfew.partition_report import partition_scheme
 
 MAJORITY = "majority label"
@@ -247,6 +247,8 @@ def run_all(runs: Sequence[Run], jobs: int = 1, python: str = sys.executable,
             else:
                 hint = (f"\n    fedfew.train refused to continue from {checkpoint_path(run.dir)} (the log says why); "
                         f"delete {run.dir / 'checkpoints'} to start the run afresh") if refused_checkpoint(run.log_path) else ""
+                if (run.dir / FAILED_RESULTS).exists():
+                    hint += f"\n    (it failed after writing its results: kept as {run.dir / FAILED_RESULTS}, not used)"
                 echo(f"    {run.algorithm} seed {run.seed} FAILED after {seconds:.0f} s; log {run.log_path}:\n"
                      + _tail(run.log_path) + hint)
     except BaseException:  # Ctrl-C: start no queued run (the running ones save a checkpoint and stop)

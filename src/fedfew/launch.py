@@ -39,6 +39,8 @@ from fedfew.checkpoint import checkpoint_path
 CHECKPOINT_EVERY = 5
 
 RESULTS = "results.json"
+#: where :func:`launch` moves the results.json of a run that then failed (kept to read, never reused)
+FAILED_RESULTS = "results.failed.json"
 #: held (``flock``) in a tool's output folder while ``make compare`` or ``make tune`` writes there;
 #: it holds the holder's description
 LOCK_FILE = ".fedfew.lock"
@@ -175,7 +177,9 @@ def launch(overrides: Sequence[str], run_dir: Path, log_path: Path,
 
     The run gets ``checkpoint_every=CHECKPOINT_EVERY`` unless ``overrides`` set it, and
     ``resume=<run_dir>/checkpoints/last.ckpt`` when that file exists (check it is this run's with
-    :func:`progress` first). After a successful run the checkpoint is deleted if it was added here.
+    :func:`progress` first). After a successful run the checkpoint is deleted if it was added here;
+    a run that fails after writing results.json has it renamed to :data:`FAILED_RESULTS`, so that
+    no later invocation takes it for a finished run.
 
     Args:
         overrides: the run's Hydra overrides, ``hydra.run.dir=<run_dir>`` among them.
@@ -215,6 +219,10 @@ def launch(overrides: Sequence[str], run_dir: Path, log_path: Path,
     code = os.waitstatus_to_exitcode(status)
     if code == 0:
         tidy(run_dir, overrides)
+    elif not interrupted(code) and (run_dir / RESULTS).exists():
+        # it failed after writing its results (plots, W&B, ...): failed now, so failed on every rerun
+        # too, instead of being reused as finished next time
+        (run_dir / RESULTS).replace(run_dir / FAILED_RESULTS)
     return code, time.perf_counter() - start, usage.ru_utime + usage.ru_stime, resumed
 
 

@@ -380,3 +380,13 @@ def test_sigterm_to_the_comparison_alone_stops_its_runs_at_a_checkpoint(tmp_path
     assert "stopped by SIGTERM after round" in log and checkpoint.exists()
     leftover = subprocess.run(["pgrep", "-f", f"hydra.run.dir={out}"], capture_output=True, text=True).stdout
     assert leftover.strip() == ""                         # nothing trains on without its parent
+
+
+def test_own_keys_show_k_only_for_methods_that_have_it():
+    """``++algorithm.K=5`` reaches every method's node; the table lists K only where the method
+    defines it (conf/algorithm/<name>.yaml), beside the keys its search space tunes."""
+    node = {"K": 5, "mu": 0.1, "server_lr": 1.0, "normalize": True}
+    assert compare.own_keys({"algorithm": {"name": "fedfew", **node}}) == "K=5, mu=0.1, server_lr=1.0"
+    assert compare.own_keys({"algorithm": {"name": "ifca", "K": 5}}) == "K=5"
+    assert compare.own_keys({"algorithm": {"name": "fedavg", "K": 5}}) == ""
+    assert compare.own_keys({"algorithm": {"name": "fedrep", "K": 5, "head_epochs": 3}}) == "head_epochs=3"

@@ -346,17 +346,23 @@ def shared_budget(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def own_keys(config: dict[str, Any]) -> str:
-    """A method's own settings as ``key=value, ...``: ``K`` and the keys ``make tune`` searches
-    for it (conf/tune/<algorithm>.yaml); every key of its ``algorithm`` node but the name when it
-    has no search space."""
-    from fedfew.tune import TuneError, load_space
+    """A method's own settings as ``key=value, ...``: ``K`` when its config defines it (an ``++algorithm.K``
+    reaches every method's node, also those that have no K) and the keys ``make tune`` searches for
+    it (conf/tune/<algorithm>.yaml); every key of its ``algorithm`` node but the name when it has no
+    search space."""
+    from omegaconf import OmegaConf
+
+    from fedfew.tune import CONFIG_DIR, TuneError, load_space
 
     node = config.get("algorithm", {})
+    name = node.get("name", "")
+    source = CONFIG_DIR / "algorithm" / f"{name}.yaml"
+    has_k = source.is_file() and "K" in OmegaConf.load(source)
     try:
-        searched = {d.key.split(".", 1)[1] for d in load_space(node.get("name", "")) if d.key.startswith("algorithm.")}
-        keys = [k for k in node if k == "K" or k in searched]
+        searched = {d.key.split(".", 1)[1] for d in load_space(name) if d.key.startswith("algorithm.")}
+        keys = [k for k in node if (k == "K" and has_k) or k in searched]
     except TuneError:
-        keys = [k for k in node if k != "name"]
+        keys = [k for k in node if k != "name" and (k != "K" or has_k)]
     return ", ".join(f"{k}={node[k]}" for k in keys)
 
 

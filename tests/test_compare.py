@@ -390,3 +390,27 @@ def test_own_keys_show_k_only_for_methods_that_have_it():
     assert compare.own_keys({"algorithm": {"name": "ifca", "K": 5}}) == "K=5"
     assert compare.own_keys({"algorithm": {"name": "fedavg", "K": 5}}) == ""
     assert compare.own_keys({"algorithm": {"name": "fedrep", "K": 5, "head_epochs": 3}}) == "head_epochs=3"
+
+
+def test_eval_also_gives_a_second_table_from_the_same_runs(tmp_path, capsys):
+    """With ``eval.also=[finetune]`` one comparison writes compare.md (final) and
+    compare_finetune.md from the same runs, each equal to what those runs report."""
+    out = tmp_path / "cmp"
+    assert compare.main(["--dataset", "digits", "--algorithms", "fedavg", "local", "--seeds", "0", "--out", str(out),
+                         "--", "rounds=2", "num_clients=4", "eval_every=1", "logger=none", "eval.also=[finetune]"]) == 0
+    printed = capsys.readouterr().out
+    assert "protocol final" in printed and "protocol finetune" in printed
+    results = {a: json.loads((out / a / "seed0" / "results.json").read_text()) for a in ("fedavg", "local")}
+    for name, scored in (("compare.csv", lambda r: r), ("compare_finetune.csv", lambda r: r["also"]["finetune"])):
+        rows = {r["algorithm"]: r for r in csv.DictReader((out / name).open())}
+        for alg, res in results.items():
+            summary = scored(res)["summary"]
+            assert float(rows[alg]["acc_mean"]) == pytest.approx(summary["acc_mean"], abs=1e-6)
+            last = [e["acc_mean"] for e in scored(res)["evaluations"]]
+            assert float(rows[alg]["acc_mean_last3"]) == pytest.approx(sum(last) / len(last), abs=1e-6)
+            assert rows[alg]["protocol"] == ("final" if name == "compare.csv" else "finetune")
+    assert results["fedavg"]["also"]["finetune"]["summary"]["acc_mean"] != results["fedavg"]["summary"]["acc_mean"]
+    assert "protocol finetune" in (out / "compare_finetune.md").read_text().splitlines()[0]
+    assert (out / "accuracy_rounds_finetune.png").stat().st_size > 0
+    # a protocol only some runs were scored under makes no table
+    assert compare.also_protocols({("a", 0): {"also": {"finetune": {}}}, ("b", 0): {}}) == []

@@ -67,6 +67,15 @@ def test_eval_settings_and_their_errors():
     with pytest.raises(ConfigError, match="eval.finetune_epochs=0"):
         validate_config(compose_config("eval.finetune_epochs=0"))
     validate_config(compose_config("eval.split=val", "partition.val_fraction=0.2", "eval.protocol=finetune"))
+    # eval.also: more protocols at the same evaluations; reference (a round of its own) and repeats are refused
+    assert EvalSettings.from_config(compose_config("eval.also=[finetune]")).protocols == ("final", "finetune")
+    with pytest.raises(ConfigError, match=r"eval.also=\['reference'\]: allowed list of distinct protocols"):
+        validate_config(compose_config("eval.also=[reference]"))
+    with pytest.raises(ConfigError, match="repeats eval.protocol=finetune"):
+        validate_config(compose_config("eval.protocol=finetune", "eval.also=[finetune]"))
+    with pytest.raises(ValueError, match="eval.also=\\['finetune', 'finetune'\\]"):
+        EvalSettings.from_config(compose_config("eval.also=[finetune,finetune]"))
+    validate_config(compose_config("eval.protocol=finetune", "eval.also=[final]"))
 
 
 def _cfg(*overrides):
@@ -101,6 +110,15 @@ def test_finetune_scores_finetuned_copies_and_leaves_training_alone(tmp_path, cp
             pred = copy_set.working(sim.data.inputs[test]).argmax(1)
         assert row["acc"] == pytest.approx(float((pred == sim.data.targets[test]).float().mean()))
     assert tuned["summary"]["acc_mean"] != final["summary"]["acc_mean"]
+
+    # eval.also=[finetune]: one run reports both, each figure equal to the run of that protocol
+    both_sim, both = _fit(tmp_path, cpu_fabric, "both", "eval.also=[finetune]", "eval.finetune_epochs=2")
+    assert [h["loss"].tolist() for h in both_sim.history] == [h["loss"].tolist() for h in final_sim.history]
+    assert both["summary"] == final["summary"] and both["clients"] == final["clients"]
+    assert [{k: v for k, v in e.items() if k != "also"} for e in both["evaluations"]] == final["evaluations"]
+    also = both["also"]["finetune"]
+    assert also["summary"] == tuned["summary"] and also["clients"] == tuned["clients"]
+    assert also["evaluations"] == tuned["evaluations"] and len(also["evaluations"]) == 3
 
 
 @pytest.mark.slow

@@ -588,10 +588,33 @@ def ranking_note(rows: Sequence[dict[str, Any]], reference: str | None) -> str |
             f"({ranked[place]['acc_mean']:.4f}); ahead of it: {', '.join(gap(r) for r in ranked[:place])}")
 
 
-def write_tables(out: Path, rows: Sequence[dict[str, Any]], title: str, notes: Sequence[str] = ()) -> None:
-    """``<out>/compare.csv`` and ``<out>/compare.md``, each written atomically."""
-    atomic_write_text(out / "compare.csv", to_csv(rows))
-    atomic_write_text(out / "compare.md", to_markdown(rows, title, notes))
+def write_tables(out: Path, rows: Sequence[dict[str, Any]], title: str, notes: Sequence[str] = (),
+                 suffix: str = "") -> list[Path]:
+    """``<out>/compare<suffix>.csv`` and ``<out>/compare<suffix>.md``, each written atomically;
+    returns their paths."""
+    paths = [out / f"compare{suffix}.csv", out / f"compare{suffix}.md"]
+    atomic_write_text(paths[0], to_csv(rows))
+    atomic_write_text(paths[1], to_markdown(rows, title, notes))
+    return paths
+
+
+def also_protocols(results: dict[tuple[str, int], dict[str, Any]]) -> list[str]:
+    """The ``eval.also`` protocols that every run of ``results`` was scored under (results.json
+    ``also``), in the runs' order."""
+    found = [list((r.get("also") or {}).keys()) for r in results.values()]
+    return [p for p in found[0] if all(p in f for f in found[1:])] if found else []
+
+
+def protocol_view(result: dict[str, Any], protocol: str) -> dict[str, Any]:
+    """``result`` (one results.json) as a run of ``protocol`` would have reported it: its
+    ``also[protocol]`` summary, clients and evaluations in place of the run's own; the rest
+    (config, budget, timings) is the run's.
+
+    Raises:
+        KeyError: the run was not scored under ``protocol`` (not in its ``eval.also``).
+    """
+    scored = result["also"][protocol]
+    return {**result, "summary": scored["summary"], "clients": scored["clients"], "evaluations": scored["evaluations"]}
 
 
 def describe(rows: Sequence[dict[str, Any]], results: dict[tuple[str, int], dict[str, Any]], dataset: str,
@@ -668,8 +691,8 @@ def curves(results: dict[tuple[str, int], dict[str, Any]], algorithms: Sequence[
 
 
 def write_plots(out: Path, results: dict[tuple[str, int], dict[str, Any]], algorithms: Sequence[str],
-                majority: float | None, title: str) -> list[Path]:
-    """``accuracy_rounds.png`` and ``accuracy_bytes.png`` in ``out``: one line per method (mean
+                majority: float | None, title: str, suffix: str = "") -> list[Path]:
+    """``accuracy_rounds<suffix>.png`` and ``accuracy_bytes<suffix>.png`` in ``out``: one line per method (mean
     over seeds) with a band of ± one std over seeds; methods that communicate nothing (local)
     are a dashed horizontal line at their final accuracy in the bytes plot."""
     import numpy as np
@@ -679,8 +702,8 @@ def write_plots(out: Path, results: dict[tuple[str, int], dict[str, Any]], algor
 
     data = curves(results, algorithms)
     written = []
-    for name, xkey, xlabel in (("accuracy_rounds.png", "rounds", "round"),
-                               ("accuracy_bytes.png", "bytes", "cumulative bytes communicated (up + down, MB)")):
+    for name, xkey, xlabel in ((f"accuracy_rounds{suffix}.png", "rounds", "round"),
+                               (f"accuracy_bytes{suffix}.png", "bytes", "cumulative bytes communicated (up + down, MB)")):
         fig = Figure(figsize=(7.5, 4.5))
         ax = fig.add_subplot(1, 1, 1)
         for i, (alg, c) in enumerate(data.items()):
@@ -811,29 +834,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = time.perf_counter()
         status = run_all(runs, jobs=args.jobs)
         results = collect([r for r in runs if status.get(r) in ("done", "reused")])  # a failed run's results stay out
-        rows, warnings = summarize(results, algorithms, reference, {a: p[1] for a, p in presets.items()})
-        title, notes = describe(rows, results, args.dataset, args.seeds, reference)
-        if left_out:
-            notes.append("left out (they cannot run on this setup): " + "; ".join(left_out))
         failed = [f"{r.algorithm}/seed{r.seed}" for r, s in status.items() if s == "failed"]
-        if failed:
-            warnings.append(f"failed runs (left out; logs in {out / 'logs'}): {', '.join(failed)}")
         stopped = [f"{r.algorithm}/seed{r.seed}" for r, s in status.items() if s == "interrupted"]
-        if stopped:
-            warnings.append(f"runs stopped by a signal (left out; run the same command again to continue them from "
-                            f"their checkpoints): {', '.join(stopped)}")
         elapsed = time.perf_counter() - start
         run_wall = sum(float(r.get("wall_time_s") or 0.0) for r in results.values())
-        notes.append(f"command: `python -m fedfew.compare {' '.join(shlex.quote(a) for a in argv)}`; this invocation "
-                     f"took {elapsed / 60:.1f} min with {args.jobs} job(s) ({len(status) - sum(s == 'reused' for s in status.values())} "
-                     f"run(s) trained); the {len(results)} runs' round loops took {run_wall / 60:.1f} min in total")
-        write_tables(out, rows, title, [*warnings, *notes])
-        majority = next((r["acc_mean"] for r in rows if r["algorithm"] == MAJORITY), None)
-        if results:
-            write_plots(out, results, algorithms, majority, title)
-        print(to_markdown(rows, title, [*warnings, *notes]))
-        print(f"wrote {out / 'compare.csv'}, {out / 'compare.md'}, accuracy_rounds.png and accuracy_bytes.png "
-              f"({elapsed:.0f} s)")
+        trained = len(status) - sum(s == "reused" for s in status.values())
+        written = []
+        # the run's own protocol, then each eval.also protocol: the same runs, another table each
+        for protocol in [None, *also_protocols(results)]:
+            scored = results if protocol is None else {k: protocol_view(r, protocol) for k, r in results.items()}
+            rows, warnings = summarize(scored, algorithms, reference, {a: p[1] for a, p in presets.items()})
+            title, notes = describe(rows, scored, args.dataset, args.seeds, reference)
+            if left_out:
+                notes.append("left out (they cannot run on this setup): " + "; ".join(left_out))
+            if failed:
+                warnings.append(f"failed runs (left out; logs in {out / 'logs'}): {', '.join(failed)}")
+            if stopped:
+                warnings.append(f"runs stopped by a signal (left out; run the same command again to continue them "
+                                f"from their checkpoints): {', '.join(stopped)}")
+            if protocol is not None:
+                notes.append(f"the same runs as compare.md, scored under protocol {protocol} at the same evaluations "
+                             f"(eval.also; a run trains the same under every protocol)")
+            notes.append(f"command: `python -m fedfew.compare {' '.join(shlex.quote(a) for a in argv)}`; this "
+                         f"invocation took {elapsed / 60:.1f} min with {args.jobs} job(s) ({trained} run(s) trained); "
+                         f"the {len(results)} runs' round loops took {run_wall / 60:.1f} min in total")
+            suffix = "" if protocol is None else f"_{protocol}"
+            written += write_tables(out, rows, title, [*warnings, *notes], suffix)
+            majority = next((r["acc_mean"] for r in rows if r["algorithm"] == MAJORITY), None)
+            if scored:
+                written += write_plots(out, scored, algorithms, majority, title, suffix)
+            print(to_markdown(rows, title, [*warnings, *notes]))
+        print(f"wrote {', '.join(str(w) if i == 0 else w.name for i, w in enumerate(written))} ({elapsed:.0f} s)")
     return 1 if failed or stopped else 0
 
 

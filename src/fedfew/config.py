@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 
 class ConfigError(ValueError):
@@ -18,6 +18,10 @@ class ConfigError(ValueError):
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_list(v: Any) -> bool:
+    return isinstance(v, (list, tuple, ListConfig))
 
 
 def _is_number(v: Any) -> bool:
@@ -54,6 +58,8 @@ RULES: list[Rule] = [
     Rule("eval.finetune_epochs", "integer >= 1 (finetune / reference)", lambda v: _is_int(v) and v >= 1),
     Rule("eval.split", "test | val (val: score on the validation split, never on test; needs partition.val_fraction > 0)",
          lambda v: v in ("test", "val")),
+    Rule("eval.also", "list of distinct protocols among final, finetune, without eval.protocol (e.g. [finetune])",
+         lambda v: _is_list(v) and all(p in ("final", "finetune") for p in v) and len(set(v)) == len(v)),
     Rule("participation", "number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1),
     Rule("checkpoint_every", "integer >= 0 (0: only on SIGTERM/SIGUSR1/Ctrl-C)", lambda v: _is_int(v) and v >= 0),
     Rule("resume_extend_rounds", "true | false (true: a resume may raise rounds above the checkpoint's)",
@@ -236,6 +242,10 @@ def validate_config(cfg: DictConfig) -> None:
     if _lookup(cfg, "eval.split") == "val" and _lookup(cfg, "partition.val_fraction") in (0, 0.0):
         problems.append("  eval.split=val with partition.val_fraction=0: there is no validation split to score on; "
                         "use partition.val_fraction=0.2 (for example) or eval.split=test")
+    also = _lookup(cfg, "eval.also")
+    if _is_list(also) and _lookup(cfg, "eval.protocol") in also:
+        problems.append(f"  eval.also={list(also)} repeats eval.protocol={_lookup(cfg, 'eval.protocol')}: the run's own "
+                        "protocol is always scored; list only the others")
     if _lookup(cfg, "eval.split") == "val" and _lookup(cfg, "eval.protocol") == "reference":
         problems.append("  eval.split=val with eval.protocol=reference: the reference protocol picks the best round "
                         "on test; use eval.protocol=final or finetune when scoring on the validation split")

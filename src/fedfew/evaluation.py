@@ -20,6 +20,11 @@ Protocols (``eval.protocol``), the same for every algorithm, applied here and no
   with the best client-mean test accuracy, as the reference code (pgg3/FedFew on PFLlib) does.
   Choosing the round on test data flatters every method: results carry ``optimistic: true``.
 
+``eval.also`` (e.g. ``[finetune]``) scores the same selected models under more protocols at the
+same evaluations (``final`` / ``finetune``; the result's ``also``). A run trains the same under
+every protocol, so one run gives the figures of both runs, for about one local epoch per client
+and evaluation more.
+
 Metrics per client (torchmetrics): accuracy (the headline), balanced accuracy (mean recall
 over the classes present in the client's scored labels; FLamby's metric for Fed-ISIC2019) and
 macro-F1 (torchmetrics' macro average: classes present in the labels or the predictions).
@@ -49,6 +54,9 @@ _COLUMNS = ("model", "selection_loss", "correct", "n_test", "majority_correct", 
 #: evaluation protocols (``eval.protocol``) and the ones whose figures are optimistic
 PROTOCOLS = ("final", "finetune", "reference")
 OPTIMISTIC = frozenset({"reference"})
+#: the protocols ``eval.also`` may add (reference chooses a round of its own, so it stays a run's own protocol)
+ALSO = ("final", "finetune")
+_FINETUNES = frozenset({"finetune", "reference"})
 SPLITS = ("test", "val")
 
 
@@ -60,21 +68,29 @@ class EvalSettings:
         protocol: ``final`` | ``finetune`` | ``reference``.
         finetune_epochs: local epochs of fine-tuning (finetune, reference), >= 1.
         split: ``test`` | ``val`` (the split clients are scored on).
+        also: more protocols (:data:`ALSO`, none the same as ``protocol``) scored at the same
+            evaluations, reported in the result's ``also``.
     """
 
     protocol: str = "final"
     finetune_epochs: int = 1
     split: str = "test"
+    also: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, cfg: Any) -> "EvalSettings":
         """From a run config (its ``eval`` node; missing keys take the defaults).
 
         Raises:
-            ValueError: an unknown protocol or split, or finetune_epochs < 1.
+            ValueError: an unknown protocol or split, finetune_epochs < 1, or an ``also`` entry
+                that is not in :data:`ALSO`, repeats, or is the run's protocol.
         """
         node = cfg.get("eval", None) or {}
-        out = cls(str(node.get("protocol", "final")), int(node.get("finetune_epochs", 1)), str(node.get("split", "test")))
+        out = cls(str(node.get("protocol", "final")), int(node.get("finetune_epochs", 1)), str(node.get("split", "test")),
+                  tuple(str(p) for p in (node.get("also", None) or ())))
+        if any(p not in ALSO for p in out.also) or len(set(out.also)) < len(out.also) or out.protocol in out.also:
+            raise ValueError(f"eval.also={list(out.also)}; allowed: a list of distinct protocols among "
+                             f"{', '.join(ALSO)}, without the run's own eval.protocol={out.protocol}")
         if out.protocol not in PROTOCOLS:
             raise ValueError(f"eval.protocol={out.protocol!r}; allowed: {', '.join(PROTOCOLS)}")
         if out.split not in SPLITS:
@@ -85,7 +101,12 @@ class EvalSettings:
 
     @property
     def finetunes(self) -> bool:
-        return self.protocol in ("finetune", "reference")
+        return self.protocol in _FINETUNES
+
+    @property
+    def protocols(self) -> tuple[str, ...]:
+        """The run's protocol, then the ``also`` ones."""
+        return (self.protocol, *self.also)
 
     @property
     def optimistic(self) -> bool:
@@ -207,37 +228,50 @@ def evaluate_clients(
         acc_weighted, balanced_acc_mean, macro_f1_mean, majority_acc_mean,
         majority_acc_weighted, models_served, models_in_use, assignment_ari when the clients
         have known groups and the algorithm keeps several server models, and protocol,
-        eval_split, optimistic).
+        eval_split, optimistic); with ``eval.also``, ``also``: protocol -> the same two keys for
+        that protocol (the same selection; ``optimistic`` false).
     """
     settings = EvalSettings.from_config(ctx.cfg)
     device = ctx.fabric.device
     targets = ctx.data.targets
-    scratch = copy.deepcopy(ctx.module.working) if settings.finetunes else None
-    rows: dict[int, torch.Tensor] = {}
+    finetuning = any(p in _FINETUNES for p in settings.protocols)
+    scratch = copy.deepcopy(ctx.module.working) if finetuning else None
+    rows: dict[str, dict[int, torch.Tensor]] = {p: {} for p in settings.protocols}
     for client in my_clients:
         sel = torch.as_tensor(settings.selection_index(client), device=device)
         scored = torch.as_tensor(settings.score_index(client), device=device)
         candidates = alg.candidates(client)
         losses = [evaluate_model(m, ctx.data, sel)[0] for m in candidates]
         best = int(np.nanargmin(losses)) if not all(np.isnan(losses)) else 0
-        model = candidates[best]
-        if scratch is not None:
-            model = finetune_copy(model, scratch, ctx, client, rnd, settings.finetune_epochs)
-        preds, labels = predict(model, ctx.data, scored)
-        correct, balanced, f1 = client_metrics(preds, labels, ctx.data.num_classes)
         train_labels = targets[torch.as_tensor(client.train, device=device)]
         majority = int(torch.bincount(train_labels, minlength=ctx.data.num_classes).argmax())
-        majority_correct = int((labels == majority).sum())
         group = -1 if client.group is None else client.group
-        rows[client.id] = torch.tensor(
-            [best, losses[best], correct, len(scored), majority_correct, len(client.train),
-             alg.model_assignment(client, best), group, balanced, f1], dtype=torch.float64
-        )
-    table = gather_rows(rows, num_clients, torch.zeros(len(_COLUMNS), dtype=torch.float64, device=device)).cpu()
-    # models_served has one entry per model id, retired ones (K=auto) included
-    result = summarize(table, num_candidates=len(alg.candidates(ctx.data.clients[0])),
-                       num_models=getattr(ctx.module, "initial_K", ctx.module.K))
-    result["summary"].update(protocol=settings.protocol, eval_split=settings.split, optimistic=settings.optimistic)
+        tuned = None  # the fine-tuned copy, made once for every protocol that scores it
+        for protocol in settings.protocols:
+            model = candidates[best]
+            if protocol in _FINETUNES:
+                if tuned is None:
+                    tuned = finetune_copy(model, scratch, ctx, client, rnd, settings.finetune_epochs)
+                model = tuned
+            preds, labels = predict(model, ctx.data, scored)
+            correct, balanced, f1 = client_metrics(preds, labels, ctx.data.num_classes)
+            majority_correct = int((labels == majority).sum())
+            rows[protocol][client.id] = torch.tensor(
+                [best, losses[best], correct, len(scored), majority_correct, len(client.train),
+                 alg.model_assignment(client, best), group, balanced, f1], dtype=torch.float64
+            )
+    results = {}
+    for protocol in settings.protocols:
+        table = gather_rows(rows[protocol], num_clients,
+                            torch.zeros(len(_COLUMNS), dtype=torch.float64, device=device)).cpu()
+        # models_served has one entry per model id, retired ones (K=auto) included
+        results[protocol] = summarize(table, num_candidates=len(alg.candidates(ctx.data.clients[0])),
+                                      num_models=getattr(ctx.module, "initial_K", ctx.module.K))
+        results[protocol]["summary"].update(protocol=protocol, eval_split=settings.split,
+                                            optimistic=protocol in OPTIMISTIC)
+    result = results[settings.protocol]
+    if settings.also:
+        result["also"] = {p: results[p] for p in settings.also}
     return result
 
 

@@ -211,6 +211,15 @@ class Simulation:
             self.best_evaluation = best_round(self.best_evaluation, result)
         return result
 
+    @staticmethod
+    def _evaluation_entry(rnd: int, evaluation: dict[str, Any]) -> dict[str, Any]:
+        """One entry of ``results.json``'s ``evaluations``: the round and the summary, and under
+        ``eval.also`` each extra protocol's summary (``also``)."""
+        entry = {"round": rnd, **evaluation["summary"]}
+        if "also" in evaluation:
+            entry["also"] = {p: r["summary"] for p, r in evaluation["also"].items()}
+        return entry
+
     # ---- checkpoints -------------------------------------------------------------------
     def state_dict(self, rnd: int, host_state: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
         """Everything later rounds depend on (see :mod:`fedfew.checkpoint`).
@@ -295,7 +304,7 @@ class Simulation:
                 evaluation = None
                 if rnd % int(cfg.eval_every) == 0 or rnd == int(cfg.rounds):
                     evaluation = self.evaluate(rnd)
-                    self.evaluations.append({"round": rnd, **evaluation["summary"]})
+                    self.evaluations.append(self._evaluation_entry(rnd, evaluation))
                 self.wall_time_s += time.perf_counter() - start
                 fabric.call("on_round_end", sim=self, round=rnd, logs=logs, evaluation=evaluation)
                 stop = self._stop_requested()
@@ -308,6 +317,7 @@ class Simulation:
             self.stop_signal.uninstall()
         wall = self.wall_time_s
         final = evaluation if evaluation is not None else self.evaluate(int(cfg.rounds))
+        also = final.get("also", {})  # eval.also: the final round's figures under those protocols
         final = reported(final, self.best_evaluation, self.eval_settings)  # reference: the best round
         final["summary"]["rounds"] = int(cfg.rounds)
         final["summary"].update(self.algorithm.summary())  # e.g. K=auto's K_changes
@@ -328,6 +338,13 @@ class Simulation:
             "world_size": fabric.world_size,
             "budget": self.budget(),
         }
+        if also:  # the same run, scored under eval.also's protocols: what a run of each would report
+            results["also"] = {
+                p: {"summary": {**r["summary"], "rounds": int(cfg.rounds), **self.algorithm.summary()},
+                    "clients": r["clients"],
+                    "evaluations": [{"round": e["round"], **e["also"][p]} for e in self.evaluations if "also" in e]}
+                for p, r in also.items()
+            }
         if cfg.get("save_models", False) and fabric.global_rank == 0:
             atomic_torch_save(self.run_dir / "models.pt", [m.state_dict() for m in self.module.models])
         fabric.call("on_fit_end", sim=self, results=results)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from sklearn.metrics import balanced_accuracy_score, f1_score
 
+from fedfew.callbacks import eval_scalars
 from fedfew.config import ConfigError, validate_config
 from fedfew.data.federated import build_federated_data
 from fedfew.evaluation import EvalSettings, client_metrics
@@ -119,6 +120,11 @@ def test_finetune_scores_finetuned_copies_and_leaves_training_alone(tmp_path, cp
     also = both["also"]["finetune"]
     assert also["summary"] == tuned["summary"] and also["clients"] == tuned["clients"]
     assert also["evaluations"] == tuned["evaluations"] and len(also["evaluations"]) == 3
+    # metrics.csv and the loggers get the extra protocol's accuracies beside the run's own
+    scalars = eval_scalars(both)
+    assert scalars["acc_mean"] == final["summary"]["acc_mean"]
+    assert [scalars[f"finetune_{k}"] for k in ("acc_mean", "acc_weighted", "acc_min")] == [
+        tuned["summary"][k] for k in ("acc_mean", "acc_weighted", "acc_min")]
 
 
 @pytest.mark.slow

@@ -88,7 +88,8 @@ def train_scalars(logs: dict[str, Any]) -> dict[str, float]:
 
 def eval_scalars(evaluation: dict[str, Any] | None) -> dict[str, float]:
     """Numeric summary values of an evaluation (:data:`SUMMARY_KEYS` first, then any other
-    number an algorithm's evaluation adds)."""
+    number an algorithm's evaluation adds, then each ``eval.also`` protocol's accuracies as
+    ``<protocol>_acc_mean``, ``_acc_weighted``, ``_acc_min``)."""
     if evaluation is None:
         return {}
     summary = evaluation["summary"]
@@ -96,6 +97,9 @@ def eval_scalars(evaluation: dict[str, Any] | None) -> dict[str, float]:
     for key, value in summary.items():
         if key not in out and _is_scalar(value):
             out[key] = float(value)
+    for protocol, scored in (evaluation.get("also") or {}).items():
+        for key in ("acc_mean", "acc_weighted", "acc_min"):
+            out[f"{protocol}_{key}"] = float(scored["summary"][key])
     return out
 
 

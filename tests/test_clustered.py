@@ -149,9 +149,12 @@ def test_collapse_warning_fires_with_the_reference_rule(tmp_path):
     """Digits, Dirichlet 0.5, K = 3, 50 rounds (the former default): the reference's unnormalised
     step starves models and every client ends on one model; the warning names the keys that help."""
     # ~tuned: the dataset's lr 0.3 (the tuned preset's lr 0.594 keeps 3 models serving on this split)
-    proc, results = _train(tmp_path / "ref", "algorithm=fedfew_reference", "partition=dirichlet", "~tuned")
+    proc, results = _train(tmp_path / "ref", "algorithm=fedfew_reference", "partition=dirichlet", "~tuned",
+                           "eval.also=[finetune]")
     assert results["summary"]["models_in_use"] < 3
     assert "warning:" in proc.stderr and "algorithm.normalize=true" in proc.stderr
     assert results["summary"]["collapse_warnings"]
+    # the same training scored under another protocol carries the same warnings
+    assert results["also"]["finetune"]["summary"]["collapse_warnings"] == results["summary"]["collapse_warnings"]
     # the default run's side (no warning, [5, 5, 5, 5], ARI 1) is checked on the embedded default
     # run itself: tests/test_train_cli.py::test_embedded_default_learns_digits

@@ -98,7 +98,7 @@ def test_a_run_that_fails_after_writing_its_results_is_failed_on_every_invocatio
     """Its results.json is moved aside, so a rerun does not reuse as finished what the first
     invocation left out as failed."""
     run_dir = tmp_path / "fedavg" / "seed0"
-    script = ("import json, pathlib, sys; d = pathlib.Path(sys.argv[1].split('=', 1)[1]); d.mkdir(parents=True); "
+    script = ("import json, pathlib, sys; d = pathlib.Path(sys.argv[1].split('=', 1)[1]); d.mkdir(parents=True, exist_ok=True); "
               "(d / 'results.json').write_text(json.dumps({'summary': {'acc_mean': 0.5}})); "
               "sys.exit(next((int(a[5:]) for a in sys.argv if a.startswith('exit=')), 1))")
     overrides = [f"hydra.run.dir={run_dir}"]
@@ -107,8 +107,7 @@ def test_a_run_that_fails_after_writing_its_results_is_failed_on_every_invocatio
     assert not (run_dir / "results.json").exists()
     assert (run_dir / FAILED_RESULTS).read_text() == '{"summary": {"acc_mean": 0.5}}'
     assert progress(run_dir, overrides) == "none"
-    # one that succeeds keeps its results
-    (run_dir / FAILED_RESULTS).unlink()
-    run_dir.rmdir()
+    # the rerun that succeeds keeps its results, and the failed attempt's file goes
     code, *_ = launch([*overrides, "exit=0"], run_dir, tmp_path / "run.log", [sys.executable, "-c", script])
     assert code == 0 and outcome(code, run_dir) == "done" and progress(run_dir, [*overrides, "exit=0"]) == "done"
+    assert not (run_dir / FAILED_RESULTS).exists()

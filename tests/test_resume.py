@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import compose_config
-from fedfew.checkpoint import RESUME_FREE_KEYS, ResumeError, check_resume_config, checkpoint_path, resolve_resume
+from fedfew.checkpoint import ADDED_KEYS, RESUME_FREE_KEYS, ResumeError, check_resume_config, checkpoint_path, resolve_resume
 from fedfew.loggers import RoundCSVLogger
 from fedfew.simulation import Simulation
 from fedfew.train import preflight
@@ -84,6 +84,18 @@ def test_rounds_extend_only_with_the_explicit_key(checkpoint):
     note = check_resume_config(cosine, compose_config(*SMALL, "rounds=10", "algorithm.mu=0.2", "optim.schedule=cosine",
                                                       "resume_extend_rounds=true"))
     assert note.endswith("optim.schedule=cosine now anneals over the new number of rounds")
+
+
+def test_a_checkpoint_from_before_an_added_key_resumes_under_its_old_behaviour(checkpoint):
+    """eval.also came after checkpoints existed: one without it counts as eval.also=[] (what
+    fedfew did then), so it resumes under the default and is refused under another value."""
+    run_dir, state = checkpoint
+    older = dict(state, config={**state["config"], "eval": {k: v for k, v in state["config"]["eval"].items()
+                                                             if k != "also"}})
+    assert "also" not in older["config"]["eval"] and ADDED_KEYS == {"eval.also": []}
+    assert check_resume_config(older, compose_config(*SMALL, "rounds=3", "algorithm.mu=0.2")) is None
+    with pytest.raises(ResumeError, match=r"eval.also: checkpoint \[\], now \['finetune'\]"):
+        check_resume_config(older, compose_config(*SMALL, "rounds=3", "algorithm.mu=0.2", "eval.also=[finetune]"))
 
 
 def test_checkpoint_without_config_and_auto_without_checkpoint_are_refused(checkpoint, tmp_path):

@@ -43,6 +43,10 @@ RESUME_FREE_KEYS = (
     "trainer.threads", "trainer.devices", "trainer.num_nodes", "trainer.strategy",
     "dataset.cache", "dataset.in_memory", "dataset.rounds", "collapse", "fail_on_nonfinite", "hydra",
 )
+#: keys added to the config since checkpoints were first written, with the value that does what
+#: fedfew did before: a checkpoint without the key counts as having that value (so an upgrade
+#: does not make every saved run unresumable)
+ADDED_KEYS: dict[str, Any] = {"eval.also": []}
 _ABSENT = object()
 
 
@@ -149,7 +153,8 @@ def check_resume_config(state: Mapping[str, Any], cfg: DictConfig | Mapping[str,
     """Refuse to continue ``state`` (a checkpoint) under a config that changes results.
 
     Every key of the checkpoint's stored config and of ``cfg`` is compared, except the keys of
-    :data:`RESUME_FREE_KEYS`. ``rounds`` may only grow, and only with
+    :data:`RESUME_FREE_KEYS`; a key of :data:`ADDED_KEYS` that the checkpoint lacks counts as
+    having its listed value. ``rounds`` may only grow, and only with
     ``resume_extend_rounds=true``; it can never fall below the checkpoint's round.
 
     Args:
@@ -173,7 +178,7 @@ def check_resume_config(state: Mapping[str, Any], cfg: DictConfig | Mapping[str,
     extend = bool(new.get("resume_extend_rounds", False))
     problems, note = [], None
     for key in sorted(set(old) | set(new)):
-        a, b = old.get(key, _ABSENT), new.get(key, _ABSENT)
+        a, b = old.get(key, ADDED_KEYS.get(key, _ABSENT)), new.get(key, _ABSENT)
         if _free(key) or a == b:
             continue
         if key == "rounds" and isinstance(a, int) and isinstance(b, int):

@@ -84,4 +84,5 @@ class CollapseWatch:
 
     def on_fit_end(self, sim, results: dict[str, Any]) -> None:
         if self.enabled:
-            results["summary"]["collapse_warnings"] = list(self.messages)
+            for scored in [results, *(results.get("also") or {}).values()]:  # eval.also: the same training
+                scored["summary"]["collapse_warnings"] = list(self.messages)

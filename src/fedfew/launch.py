@@ -219,6 +219,7 @@ def launch(overrides: Sequence[str], run_dir: Path, log_path: Path,
     code = os.waitstatus_to_exitcode(status)
     if code == 0:
         tidy(run_dir, overrides)
+        (run_dir / FAILED_RESULTS).unlink(missing_ok=True)  # an earlier attempt's, now superseded
     elif not interrupted(code) and (run_dir / RESULTS).exists():
         # it failed after writing its results (plots, W&B, ...): failed now, so failed on every rerun
         # too, instead of being reused as finished next time

@@ -100,3 +100,16 @@ def fake_sbatch(tmp_path) -> Path:
     sbatch.write_text(f'#!/bin/sh\necho "$@" >> "{calls}"\necho "{FAKE_JOB_ID};cluster"\n')
     sbatch.chmod(0o755)
     return calls
+
+
+def idle_process(*argv: str):
+    """A live ``python`` process that sleeps for 2 minutes, started with ``argv`` after its
+    program (its command line, e.g. ``fedfew.train`` to stand in for a training run); returned
+    once its command line is in place. Kill it when done."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)", *argv],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"
+    return proc

@@ -13,6 +13,7 @@ from fedfew import compare, runs, tune
 from fedfew.launch import FAILED_RESULTS, LOCK_FILE, Busy, exclusive, launch, outcome, progress
 from fedfew.tune import TuneError
 
+from conftest import idle_process
 from test_tune import FAKE_TRAIN
 
 HOLDER = textwrap.dedent('''
@@ -26,8 +27,9 @@ HOLDER = textwrap.dedent('''
 
 @pytest.fixture
 def sleeper():
-    """A live process that is not ours (stands in for a training run left behind)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    """A live process that is not ours (stands in for a training run left behind: its command
+    line names fedfew)."""
+    proc = idle_process("fedfew.train")
     yield proc
     proc.kill()
     proc.wait()
@@ -87,6 +89,15 @@ def test_a_run_folder_that_a_live_process_trains_is_left_alone(tmp_path, sleeper
                    "--install", "no", "--", "num_clients=4", "rounds=1"], command=[sys.executable, str(fake)])
     assert (busy / "stand-in").read_text() == "x"
     assert str(busy) not in (tmp_path / "invocations.log").read_text()  # the sampled trial ran, this one not
+    # a pid that the system gave to another program since (the file outlived a crash) is not a trainer
+    other = idle_process()
+    try:
+        (run_dir / runs.PID_FILE).write_text(f"{socket.gethostname()} {other.pid}\n")
+        assert runs.live_trainer(run_dir) is None and compare.check_reusable(run) == "checkpoint"
+    finally:
+        other.kill()
+        other.wait()
+    (run_dir / runs.PID_FILE).write_text(f"{socket.gethostname()} {sleeper.pid}\n")
     # once that process has ended, the folder is free again
     sleeper.kill()
     sleeper.wait()

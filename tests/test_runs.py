@@ -16,6 +16,7 @@ import torch
 
 from fedfew import runs
 from fedfew.callbacks import ConsoleReport, print_client_table
+from conftest import idle_process
 from test_train_cli import train
 
 
@@ -187,7 +188,13 @@ def test_status_follows_the_training_process_when_it_is_known(tmp_path):
     now = time.time()
     # an old folder whose process still runs (a long first round): running
     live = make_run(tmp_path, "live", now - 3 * 3600, metrics=[{"round": 1, "g": 1.0}])
-    (live / runs.PID_FILE).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+    trainer = idle_process("fedfew.train")  # a stand-in
+    (live / runs.PID_FILE).write_text(f"{socket.gethostname()} {trainer.pid}\n")
+    # an old folder whose pid now belongs to another program (the file outlived a crash): interrupted
+    reused = make_run(tmp_path, "reused", now - 3 * 3600, metrics=[{"round": 1, "g": 1.0}])
+    other = idle_process()
+    (reused / runs.PID_FILE).write_text(f"{socket.gethostname()} {other.pid}\n")
+    os.utime(reused / runs.PID_FILE, (now - 3 * 3600, now - 3 * 3600))  # written when that run started
     # a fresh folder whose process is gone (killed a second ago): interrupted, not running
     gone = make_run(tmp_path, "gone", now - 5, metrics=[{"round": 2, "g": 1.0}], touched=now)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -196,8 +203,13 @@ def test_status_follows_the_training_process_when_it_is_known(tmp_path):
     # a process on another host: the modification time decides (fresh: running)
     elsewhere = make_run(tmp_path, "elsewhere", now - 5, metrics=[{"round": 2, "g": 1.0}], touched=now)
     (elsewhere / runs.PID_FILE).write_text("some-other-host 1\n")
-    status = {r.path.name: r.status for r in runs.find_runs([tmp_path])}
-    assert status == {"live": "running", "gone": "interrupted", "elsewhere": "running"}
+    try:
+        status = {r.path.name: r.status for r in runs.find_runs([tmp_path])}
+    finally:
+        for proc in (trainer, other):
+            proc.kill()
+            proc.wait()
+    assert status == {"live": "running", "reused": "interrupted", "gone": "interrupted", "elsewhere": "running"}
     runs.clear_running(live)
     assert runs.run_info(live).status == "interrupted"
 

@@ -198,9 +198,22 @@ def live_trainer(run_dir: str | Path) -> str | None:
         return None
 
 
+def _runs_fedfew(pid: int) -> bool:
+    """Whether live process ``pid`` runs fedfew (its command line names it), so that a pid the
+    system gave to another program since (after a crash or a reboot left the file) is not taken
+    for the run's; True where there is no ``/proc`` or no command line (yet) to tell."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+    return not command or b"fedfew" in command  # empty: a process between fork and exec, or a zombie
+
+
 def _alive(run_dir: Path) -> bool | None:
     """Whether the process in the run's :data:`PID_FILE` still runs; None when unknown (no
-    file, or a process on another host)."""
+    file, a process on another host, or a live pid whose command line does not name fedfew: most
+    likely reused by another program, or a notebook kernel training in-process; the files' age
+    decides then)."""
     import socket
 
     try:
@@ -215,8 +228,8 @@ def _alive(run_dir: Path) -> bool | None:
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process
-        return True
-    return True
+        pass
+    return True if _runs_fedfew(pid) else None
 
 
 # -- listing ---------------------------------------------------------------------------------

@@ -100,10 +100,6 @@ class EvalSettings:
         return out
 
     @property
-    def finetunes(self) -> bool:
-        return self.protocol in _FINETUNES
-
-    @property
     def protocols(self) -> tuple[str, ...]:
         """The run's protocol, then the ``also`` ones."""
         return (self.protocol, *self.also)

@@ -91,6 +91,17 @@ def test_spread_and_paired_differences_equal_hand_computations():
     assert "**fedfew is not first**" in compare.ranking_note(rows, "fedfew")
 
 
+def test_a_method_below_the_majority_label_on_some_seed_is_flagged():
+    # majority label: clients 0.5 and 0.3 -> 0.4 on every seed; "bad" is below it on seed 1 only
+    results = {("fedfew", s): fake_results(0.8, [0.5, 0.3], f"h{s}") for s in (0, 1)}
+    results.update({("bad", 0): fake_results(0.45, [0.5, 0.3], "h0"), ("bad", 1): fake_results(0.35, [0.5, 0.3], "h1")})
+    rows, warnings = summarize(results, ["fedfew", "bad"], reference="fedfew")
+    assert len(warnings) == 1
+    assert warnings[0].startswith("**bad is below the majority label** (seed 1: 0.3500 < 0.4000): it learned less")
+    assert "seed 0" not in warnings[0]
+    assert "**bad is below the majority label**" in to_markdown(rows, "t", warnings)
+
+
 def test_one_seed_has_no_spread_and_the_first_method_is_said_to_be_first():
     results = {("a", 0): fake_results(0.8, [0.5, 0.3], "h0"), ("b", 0): fake_results(0.9, [0.5, 0.3], "h0")}
     rows, _ = summarize(results, ["b", "a", "missing"], reference="b")

@@ -388,6 +388,27 @@ def majority_metrics(result: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def below_majority(figures: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
+    """One warning per method whose client-mean accuracy on some seed is below the majority-label
+    baseline's on that seed (each client predicting the most frequent label of its own train
+    split): the method learned less than that, most often because its lr diverges on this setup
+    (a preset tuned for another partition, say).
+
+    Args:
+        figures: algorithm (and :data:`MAJORITY`) -> seed -> :func:`seed_metrics` figures.
+    """
+    majority = figures.get(MAJORITY, {})
+    out = []
+    for alg, per_seed in figures.items():
+        below = [f"seed {s}: {f['acc_mean']:.4f} < {majority[s]['acc_mean']:.4f}" for s, f in sorted(per_seed.items())
+                 if alg != MAJORITY and s in majority and f["acc_mean"] < majority[s]["acc_mean"]]
+        if below:
+            out.append(f"**{alg} is below the majority label** ({'; '.join(below)}): it learned less than each client "
+                       "predicting its most frequent train label; look at its train_loss in metrics.csv (a diverging "
+                       "lr?) before reading its row")
+    return out
+
+
 def paired(values: dict[int, float], reference: dict[int, float]) -> dict[int, float]:
     """Per-seed differences ``values[s] - reference[s]`` over the seeds both have (the same
     partition, initialisation and participation streams)."""
@@ -436,6 +457,7 @@ def summarize(results: dict[tuple[str, int], dict[str, Any]], algorithms: Sequen
         majority_runs.setdefault(seed, r)
     figures[MAJORITY] = {seed: majority_metrics(r) for seed, r in majority_runs.items()}
     ref = figures.get(reference) if reference else None
+    warnings += below_majority(figures)
 
     def spread(row: dict[str, Any], figs: dict[int, dict[str, Any]]) -> None:
         for m in METRICS:

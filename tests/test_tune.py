@@ -160,7 +160,7 @@ def test_every_algorithm_has_a_search_space_that_its_config_holds():
         cfg = compose_config(f"algorithm={alg}", "~tuned", *overrides)
         dims = [d.resolve(cfg) for d in tune.load_space(alg)]
         lr = next(d for d in dims if d.key == "optim.lr")   # every method searches the local lr, the same way
-        assert (lr.low, lr.high, lr.log) == (pytest.approx(0.1 * cfg.dataset.lr), pytest.approx(2 * cfg.dataset.lr), True)
+        assert (lr.low, lr.high, lr.log) == (pytest.approx(0.2 * cfg.dataset.lr), pytest.approx(8 * cfg.dataset.lr), True)
         for d in dims:
             value = d.suggest(_Fixed(d))
             assert d.low <= value <= d.high if d.kind != "categorical" else value in d.choices
@@ -205,6 +205,8 @@ def test_study_is_reproducible_resumes_and_writes_a_preset(tmp_path, fake):
                    "partition.val_fraction=0.2", "never read", "# tuned for: digits, dirichlet (alpha=0.5), M=4 clients, 3 rounds"):
         assert needle in text
     assert tune.preset_overrides(whole / "presets" / "digits_fedavg.yaml") == [f"optim.lr={chosen['optim.lr']}"]
+    edges = tune.range_edges([tune.Dimension("optim.lr", 0.06, 2.4, log=True)], chosen)
+    assert ("# at a range edge, the range may bind: " in text) == bool(edges)    # said exactly when it is so
     # another thread count or logger is the same study (JOBS=1 after JOBS=2): resumed, nothing rerun
     before = len(log.read_text().splitlines())
     assert tune.main([*argv(whole, 5), "trainer.threads=2"], command=command) == 0
@@ -437,3 +439,21 @@ def test_tuning_never_reads_the_test_labels(tmp_path):
     assert all(p.wait(timeout=300) == 0 for p in procs.values())
     accs = [json.loads((tmp_path / name / "results.json").read_text())["summary"]["acc_mean"] for name in procs]
     assert accs[0] != accs[1]
+
+
+def test_a_chosen_value_at_a_range_edge_is_reported():
+    lr = tune.Dimension("optim.lr", 0.06, 2.4, log=True)
+    epochs = tune.Dimension("algorithm.head_epochs", 1, 10, kind="int")
+    alpha = tune.Dimension("algorithm.alpha", 0.1, 0.9)
+    pick = tune.Dimension("model.name", kind="categorical", choices=("mlp", "cnn"))
+    assert lr.position(0.3) == pytest.approx(math.log(5) / math.log(40))          # log scale: 0.44
+    assert alpha.position(0.12) == pytest.approx(0.025) and epochs.position(10) == 1.0
+    space = [lr, epochs, alpha, pick]
+    assert tune.range_edges(space, {"optim.lr": 0.3, "algorithm.head_epochs": 5, "algorithm.alpha": 0.5,
+                                    "model.name": "cnn"}) == []
+    assert tune.range_edges(space, {"optim.lr": 2.2, "algorithm.head_epochs": 1, "algorithm.alpha": 0.12}) == [
+        "optim.lr=2.2 (top tenth of [0.06, 2.4], log scale)",                    # ln(2.2/0.06)/ln(40) = 0.98
+        "algorithm.head_epochs=1 (bottom tenth of [1, 10])",
+        "algorithm.alpha=0.12 (bottom tenth of [0.1, 0.9])"]
+    assert tune.range_edges([lr], {"optim.lr": 3.0}) == ["optim.lr=3.0 (outside [0.06, 2.4])"]  # a config default
+    assert tune.range_edges([lr], {}) == []                                      # a key the preset does not set

@@ -186,6 +186,15 @@ class Dimension:
             return trial.suggest_int(self.key, int(self.low), int(self.high), log=self.log)
         return float(f"{trial.suggest_float(self.key, self.low, self.high, log=self.log):.3g}")
 
+    def position(self, value: Any) -> float | None:
+        """Where ``value`` lies in [low, high]: 0 at low, 1 at high, on the log scale for a log
+        key (outside the range: below 0 or above 1); None for a categorical key."""
+        if self.kind == "categorical":
+            return None
+        if self.log:
+            return math.log(float(value) / self.low) / math.log(self.high / self.low)
+        return (float(value) - self.low) / (self.high - self.low)
+
     def describe(self) -> str:
         if self.kind == "categorical":
             return f"{self.key} in {list(self.choices)}"
@@ -731,6 +740,28 @@ def choice(study) -> Choice:
     return Choice(float(best.value), dict(best.user_attrs["values"]), f"trial {best.number}")
 
 
+#: a chosen value this close to a bound (a fraction of the range, log scale for a log key) is reported
+EDGE = 0.1
+
+
+def range_edges(space: Sequence[Dimension], values: dict[str, Any]) -> list[str]:
+    """The chosen values that lie within :data:`EDGE` of a bound of their (resolved) range, or
+    outside it (a config default): there the range may stop short of the optimum, and widening
+    it, for every method, is the fix (docs/tuning.md). Each as ``key=value (top tenth of [low, high])``.
+    """
+    out = []
+    for dim in space:
+        if dim.key not in values or (where := dim.position(values[dim.key])) is None:
+            continue
+        span = f"[{dim.low:.4g}, {dim.high:.4g}]"
+        if where < 0 or where > 1:
+            out.append(f"{dim.key}={values[dim.key]} (outside {span})")
+        elif where >= 1 - EDGE or where <= EDGE:
+            out.append(f"{dim.key}={values[dim.key]} ({'top' if where >= 1 - EDGE else 'bottom'} tenth of {span}"
+                       + (", log scale)" if dim.log else ")"))
+    return out
+
+
 def tuning_seconds(study) -> float:
     """Wall seconds of every finished trial and of the defaults run, summed."""
     defaults = study.user_attrs.get("defaults") or {}
@@ -764,6 +795,7 @@ def preset_text(plan: Plan, study, command: str) -> str:
     values = best.values
     trials = completed(study)
     wall = tuning_seconds(study)
+    edges = range_edges(plan.space, values)
     header = [
         "# @package _global_",
         f"# Tuned preset: dataset={plan.dataset} x algorithm={plan.algorithm}, written by make tune "
@@ -780,6 +812,7 @@ def preset_text(plan: Plan, study, command: str) -> str:
         + f", mean over seeds {' '.join(map(str, plan.seeds))}",
         f"# best validation score: {best.value:.4f} ({best.label}); the config defaults scored "
         f"{_fmt_score(study.user_attrs.get('defaults'))}; trials' wall time, summed: {wall / 60:.1f} min",
+        *([f"# at a range edge, the range may bind: {'; '.join(edges)} (docs/tuning.md)"] if edges else []),
         f"# made by: {os.environ.get('FEDFEW_TUNE_MADE_BY') or 'python -m fedfew.tune'} on "
         f"{datetime.date.today().isoformat()}",
         f"# command: {command}",
@@ -956,7 +989,8 @@ def main(argv: Sequence[str] | None = None, command: Sequence[str] = TRAIN_COMMA
         if lines:
             table = ["# tune: " + args.dataset, "", f"command: `{command_line}`", "",
                      "| algorithm | best validation acc | values | config defaults' validation acc | sampled trials | "
-                     "trials' wall time, summed (min) |", "|---|---|---|---|---|---|",
+                     "trials' wall time, summed (min) | at a range edge (the range may bind) |",
+                     "|---|---|---|---|---|---|---|",
                      *lines, "", f"total wall time of this invocation: {(time.perf_counter() - start) / 60:.1f} min"]
             if errors or interrupted:
                 table.append(f"not finished: {', '.join(a for a, _ in errors + interrupted)}")
@@ -987,10 +1021,13 @@ def _write_preset(plan: Plan, study, out: Path, install: bool, command_line: str
         atomic_write_text(TUNED_DIR / name, text)
         written.append(TUNED_DIR / name)
     wall = tuning_seconds(study)
+    edges = range_edges(plan.space, best.values)
     echo(f"{plan.algorithm}: best validation acc {best.value:.4f} with {_fmt_values(best.values)} "
-         f"({best.label}) -> {', '.join(map(str, written))}")
+         f"({best.label}) -> {', '.join(map(str, written))}"
+         + (f"\n  {plan.algorithm}: at a range edge, the range may bind: {'; '.join(edges)}" if edges else ""))
     return (f"| {plan.algorithm} | {best.value:.4f} ({best.label}) | {_fmt_values(best.values)} | "
-            f"{_fmt_score(study.user_attrs.get('defaults'))} | {len(completed(study))} | {wall / 60:.1f} |")
+            f"{_fmt_score(study.user_attrs.get('defaults'))} | {len(completed(study))} | {wall / 60:.1f} | "
+            f"{'; '.join(edges)} |")
 
 
 if __name__ == "__main__":

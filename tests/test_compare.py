@@ -102,6 +102,30 @@ def test_a_method_below_the_majority_label_on_some_seed_is_flagged():
     assert "**bad is below the majority label**" in to_markdown(rows, "t", warnings)
 
 
+def test_presets_tuned_for_another_setup_are_named(tmp_path):
+    from omegaconf import OmegaConf
+
+    def run(partition: dict) -> dict:
+        r = fake_results(0.8, [0.5, 0.3])
+        r["config"]["dataset"]["name"] = "digits"
+        r["config"]["partition"] = partition
+        return r
+    clustered = {"name": "clustered", "groups": 4, "group_transform": "rotate", "group_data": "split", "within": "iid"}
+    setup = tune.describe_setup(OmegaConf.create(run(clustered)["config"]))
+    assert setup.startswith("digits, clustered (4 groups, rotate, split; within iid), M=2 clients, 5 rounds")
+    preset = tmp_path / "digits_fedavg.yaml"
+    preset.write_text(f"# @package _global_\n# tuned for: {setup}\noptim:\n  lr: 0.5\n")
+    for partition, named in ((clustered, False), ({"name": "dirichlet", "alpha": 0.5}, True)):
+        results = {("fedavg", 0): run(partition), ("local", 0): run(partition)}
+        rows, _ = summarize(results, ["fedavg", "local"], reference=None, presets={"fedavg": str(preset), "local": ""})
+        _, notes = compare.describe(rows, results, "digits", [0], None)
+        mismatch = [n for n in notes if n.startswith("presets tuned for another setup")]
+        assert mismatch == ([f"presets tuned for another setup than these runs' (digits, dirichlet (alpha=0.5), M=2 "
+                             f"clients, 5 rounds, 1 local epoch(s), batch 50, participation 1.0, model mlp): fedavg "
+                             f"for {setup}; their values were chosen on that setup's validation split, the same way "
+                             f"for every method"] if named else [])
+
+
 def test_one_seed_has_no_spread_and_the_first_method_is_said_to_be_first():
     results = {("a", 0): fake_results(0.8, [0.5, 0.3], "h0"), ("b", 0): fake_results(0.9, [0.5, 0.3], "h0")}
     rows, _ = summarize(results, ["b", "a", "missing"], reference="b")

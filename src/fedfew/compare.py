@@ -147,14 +147,43 @@ def preset_for(dataset: str, algorithm: str, presets: str | None, extra: Sequenc
     return ("~tuned", *values), str(path)
 
 
-def preset_score(path: str) -> str:
-    """The ``best validation score`` line of a preset's header ("" when absent)."""
+def _header(path: str, field: str) -> str:
+    """The value of a ``# <field>: ...`` line of a preset's header ("" when absent or no preset)."""
     if not path:
         return ""
     for line in Path(path).read_text().splitlines():
-        if line.startswith("# best validation score:"):
-            return line.split(":", 1)[1].split(";")[0].strip()
+        if line.startswith(f"# {field}:"):
+            return line.split(":", 1)[1].strip()
     return ""
+
+
+def preset_score(path: str) -> str:
+    """The ``best validation score`` line of a preset's header ("" when absent)."""
+    return _header(path, "best validation score").split(";")[0].strip()
+
+
+def setup_mismatch(rows: Sequence[dict[str, Any]], config: dict[str, Any]) -> str | None:
+    """A note when some methods' presets were tuned for another setup than the runs' (their header's
+    ``# tuned for:`` against :func:`fedfew.tune.describe_setup` of the runs' config): the values
+    were chosen on that setup's validation split and may not suit this one (docs/tuning.md).
+    None when every preset matches, or no method has one."""
+    from omegaconf import OmegaConf
+
+    from fedfew.tune import describe_setup
+
+    tuned_for = {row["algorithm"]: _header(row.get("preset") or "", "tuned for") for row in rows}
+    if not any(tuned_for.values()):
+        return None
+    here = describe_setup(OmegaConf.create(config))
+    other: dict[str, list[str]] = {}
+    for alg, setup in tuned_for.items():
+        if setup and setup != here:
+            other.setdefault(setup, []).append(alg)
+    if not other:
+        return None
+    return ("presets tuned for another setup than these runs' (" + here + "): "
+            + "; ".join(f"{', '.join(algs)} for {setup}" for setup, algs in other.items())
+            + "; their values were chosen on that setup's validation split, the same way for every method")
 
 
 def check_reusable(run: Run) -> str:
@@ -673,6 +702,9 @@ def describe(rows: Sequence[dict[str, Any]], results: dict[tuple[str, int], dict
         where = (f"tuned preset {source}" + (f", best validation acc {preset_score(source)}" if preset_score(source) else "")
                  if source else "no preset: config defaults")
         differs.append(f"{r['algorithm']}: lr {r.get('lr')}; {r.get('hyperparameters') or '(no own keys)'} ({where})")
+    mismatch = setup_mismatch(rows, cfg) if cfg else None
+    if mismatch:
+        notes.append(mismatch)
     if differs:
         notes.append("what differs per method (each tuned the same way on validation data, make tune; docs/tuning.md): "
                      + " | ".join(differs) + "; and the local SGD steps, server models and bytes in the budget table")

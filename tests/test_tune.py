@@ -457,3 +457,7 @@ def test_a_chosen_value_at_a_range_edge_is_reported():
         "algorithm.alpha=0.12 (bottom tenth of [0.1, 0.9])"]
     assert tune.range_edges([lr], {"optim.lr": 3.0}) == ["optim.lr=3.0 (outside [0.06, 2.4])"]  # a config default
     assert tune.range_edges([lr], {}) == []                                      # a key the preset does not set
+    # config defaults that are no number in the range: apfl's alpha_lr: null (= optim.lr), fedprox's mu_prox: 0
+    assert tune.range_edges([tune.Dimension("algorithm.alpha_lr", 0.01, 1.0, log=True)], {"algorithm.alpha_lr": None}) == []
+    assert tune.range_edges([tune.Dimension("algorithm.mu_prox", 0.001, 1.0, log=True)], {"algorithm.mu_prox": 0}) == [
+        "algorithm.mu_prox=0 (outside [0.001, 1])"]

@@ -188,12 +188,14 @@ class Dimension:
 
     def position(self, value: Any) -> float | None:
         """Where ``value`` lies in [low, high]: 0 at low, 1 at high, on the log scale for a log
-        key (outside the range: below 0 or above 1); None for a categorical key."""
-        if self.kind == "categorical":
+        key (outside the range: below 0 or above 1, -inf for a value <= 0 on a log key); None for a
+        categorical key or a value that is not a number (a config default such as apfl's
+        ``alpha_lr: null``)."""
+        if self.kind == "categorical" or isinstance(value, bool) or not isinstance(value, (int, float)):
             return None
         if self.log:
-            return math.log(float(value) / self.low) / math.log(self.high / self.low)
-        return (float(value) - self.low) / (self.high - self.low)
+            return math.log(value / self.low) / math.log(self.high / self.low) if value > 0 else -math.inf
+        return (value - self.low) / (self.high - self.low)
 
     def describe(self) -> str:
         if self.kind == "categorical":

@@ -126,6 +126,58 @@ def test_presets_tuned_for_another_setup_are_named(tmp_path):
                              f"for every method"] if named else [])
 
 
+def test_a_preset_tuned_for_the_runs_setup_wins_is_matched_on_every_setup_key_and_train_says_so(tmp_path, monkeypatch):
+    """conf/tuned/<dataset><setup>/ holds presets tuned for another setup: compare picks the one whose
+    ``# setup:`` line equals the runs' setup, on keys the words of ``# tuned for:`` do not name."""
+    from conftest import compose_config
+
+    clustered = compose_config("dataset=digits", "algorithm=fedavg")
+    dirichlet = compose_config("dataset=digits", "algorithm=fedavg", "partition=dirichlet")
+    pathological = compose_config("dataset=digits", "algorithm=fedavg", "partition=pathological")
+    min_size_20 = compose_config("dataset=digits", "algorithm=fedavg", "partition=dirichlet", "partition.min_size=20")
+    assert tune.describe_setup(min_size_20) == tune.describe_setup(dirichlet)   # the words do not tell them apart
+
+    def preset(path, cfg, lr):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"# @package _global_\n# tuned for: {tune.describe_setup(cfg)}\n"
+                        f"# setup: {json.dumps(tune.setup_keys(cfg))}\noptim:\n  lr: {lr}\n")
+        return path
+
+    monkeypatch.setattr(tune, "TUNED_DIR", tmp_path)
+    top = preset(tmp_path / "digits_fedavg.yaml", clustered, 0.5)
+    sub = preset(tmp_path / "digits_partition-dirichlet" / "digits_fedavg.yaml", dirichlet, 0.9)
+    assert tune.preset_matches(top, clustered) and not tune.preset_matches(top, dirichlet)
+    assert tune.preset_matches(sub, dirichlet) and not tune.preset_matches(sub, min_size_20)
+    assert compare.preset_for("digits", "fedavg", None, [], clustered) == (("~tuned", "optim.lr=0.5"), str(top))
+    assert compare.preset_for("digits", "fedavg", None, [], dirichlet) == (("~tuned", "optim.lr=0.9"), str(sub))
+    # no preset for that setup: the dataset's own (and the note names it), also for a key the words miss
+    assert compare.preset_for("digits", "fedavg", None, [], pathological)[1] == str(top)
+    assert compare.preset_for("digits", "fedavg", None, [], min_size_20)[1] == str(top)
+    assert compare.preset_for("digits", "fedavg", str(tmp_path), [], dirichlet)[1] == str(top)  # --presets DIR: that one
+    rows = [{"algorithm": "fedavg", "preset": str(sub)}]
+    assert compare.setup_mismatch(rows, OmegaConf_dict(dirichlet)) is None
+    assert "fedavg for digits, dirichlet (alpha=0.5)" in compare.setup_mismatch(rows, OmegaConf_dict(min_size_20))
+    # a preset written before the ``# setup:`` line: matched on its words
+    old = tmp_path / "old" / "digits_fedavg.yaml"
+    old.parent.mkdir()
+    old.write_text(f"# @package _global_\n# tuned for: {tune.describe_setup(pathological)}\noptim:\n  lr: 0.1\n")
+    assert tune.preset_matches(old, pathological) and not tune.preset_matches(old, dirichlet)
+    assert compare.preset_for("digits", "fedavg", None, [], pathological)[1] == str(old)
+    # make train applies conf/tuned/<dataset>_<alg>.yaml to every setup: it is told when that one is not tuned for it
+    assert tune.preset_note("digits_fedavg", clustered) is None and tune.preset_note(None, dirichlet) is None
+    assert tune.preset_note("digits_fedavg", dirichlet) == (
+        f"preset conf/tuned/digits_fedavg.yaml was tuned for {tune.describe_setup(clustered)}, not this run's setup "
+        f"({tune.describe_setup(dirichlet)}): add tuned=digits_partition-dirichlet/digits_fedavg, tuned for it")
+    assert tune.preset_note("digits_fedavg", min_size_20).endswith(
+        "no preset in conf/tuned is; make tune with this run's setup overrides makes one (docs/tuning.md)")
+
+
+def OmegaConf_dict(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
 def test_one_seed_has_no_spread_and_the_first_method_is_said_to_be_first():
     results = {("a", 0): fake_results(0.8, [0.5, 0.3], "h0"), ("b", 0): fake_results(0.9, [0.5, 0.3], "h0")}
     rows, _ = summarize(results, ["b", "a", "missing"], reference="b")

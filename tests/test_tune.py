@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from fedfew import tune
+from fedfew import compare, tune
 from fedfew.algorithms import ALGORITHMS
 from fedfew.tune import Dimension, TuneError
 
@@ -182,7 +182,7 @@ class _Fixed:
         return choices[0]
 
 
-def test_study_is_reproducible_resumes_and_writes_a_preset(tmp_path, fake):
+def test_study_is_reproducible_resumes_and_writes_a_preset(tmp_path, fake, monkeypatch):
     command, log = fake
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert tune.main(argv(whole, 5), command=command) == 0
@@ -214,6 +214,18 @@ def test_study_is_reproducible_resumes_and_writes_a_preset(tmp_path, fake):
     # the same folder with other settings is refused, not mixed
     with pytest.raises(TuneError, match="other settings"):
         tune.main(argv(whole, 5, "--val-fraction", "0.3"), command=command)
+    # --install auto with setup-changing overrides: conf/tuned/<dataset><setup>/, matched by that setup only
+    monkeypatch.setattr(tune, "TUNED_DIR", tmp_path / "tuned")
+    installing = argv(whole, 5)
+    installing[installing.index("--install") + 1] = "auto"
+    assert tune.main(installing, command=command) == 0 and len(log.read_text().splitlines()) == before
+    installed = tmp_path / "tuned" / "digits_partition-dirichlet_num_clients-4_rounds-3" / "digits_fedavg.yaml"
+    assert installed.read_text() == (whole / "presets" / "digits_fedavg.yaml").read_text()
+    assert not (tmp_path / "tuned" / "digits_fedavg.yaml").exists()      # the dataset's own preset is left alone
+    runs = compose_config("dataset=digits", "algorithm=fedavg", "partition=dirichlet", "num_clients=4", "rounds=3")
+    assert tune.preset_matches(installed, runs)
+    assert not tune.preset_matches(installed, compose_config("dataset=digits", "algorithm=fedavg", "partition=dirichlet"))
+    assert compare.preset_for("digits", "fedavg", None, [], runs)[1] == str(installed)
 
 
 def test_an_interrupted_trial_runs_again_with_its_values_and_a_failed_one_stops_the_tune(tmp_path, fake, monkeypatch):
@@ -358,7 +370,10 @@ def test_a_free_worker_takes_the_earliest_listed_algorithms_run_and_stop_starts_
 
 
 def test_installed_presets_apply_and_record_their_provenance():
-    presets = sorted(tune.TUNED_DIR.glob("*.yaml"))
+    """Every preset in conf/tuned (and in its setup folders) records how it was made, applies its values,
+    and was tuned for the setup it is installed for: the dataset's default one at the top, the setup of
+    its extra overrides in conf/tuned/<dataset><setup>/ (selected with tuned=<folder>/<name>)."""
+    presets = sorted(tune.TUNED_DIR.glob("*.yaml")) + sorted(tune.TUNED_DIR.glob("*/*.yaml"))
     assert presets, "conf/tuned holds the presets of make tune"
     for path in presets:
         text = path.read_text()
@@ -366,8 +381,13 @@ def test_installed_presets_apply_and_record_their_provenance():
                        "# tuned for:"):
             assert needle in text, f"{path.name} lacks {needle!r}"
         dataset, algorithm = path.stem.split("_", 1)
-        cfg = compose_config(f"dataset={dataset}", f"algorithm={algorithm}", tuned=True)
-        plain = compose_config(f"dataset={dataset}", f"algorithm={algorithm}", "~tuned")
+        setup = tune.setup_changing(tune.preset_header(path)["extra overrides"].replace("(none)", "").split())
+        folder = path.parent.relative_to(tune.TUNED_DIR)
+        assert folder == tune.setup_presets_dir(dataset, setup).relative_to(tune.TUNED_DIR), path
+        choice = [] if folder == Path(".") else [f"tuned={folder}/{path.stem}"]
+        cfg = compose_config(f"dataset={dataset}", f"algorithm={algorithm}", *setup, *choice, tuned=True)
+        plain = compose_config(f"dataset={dataset}", f"algorithm={algorithm}", *setup, "~tuned")
+        assert tune.preset_matches(path, plain), f"{path} is not tuned for the setup it is installed for"
         for override in tune.preset_overrides(path):               # optim.lr included: the preset comes after _self_
             key, value = override.split("=", 1)
             assert _same(OmegaConf.select(cfg, key), value), f"{path.name}: {key} is not {value}"

@@ -5,8 +5,9 @@
 
 Every (algorithm, seed) is one isolated subprocess ``python -m fedfew.train dataset=<dataset>
 algorithm=<alg> seed=<seed> ~tuned <preset values> <extra overrides> hydra.run.dir=<out>/<alg>/seed<seed>``.
-Each method gets its own tuned preset (``make tune``; docs/tuning.md): by default
-``conf/tuned/<dataset>_<alg>.yaml`` when it exists, with ``--presets DIR`` the one in DIR
+Each method gets its own tuned preset (``make tune``; docs/tuning.md): by default the one in a
+setup folder ``conf/tuned/<dataset><setup>/`` tuned for exactly the runs' setup, else
+``conf/tuned/<dataset>_<alg>.yaml`` when it exists; with ``--presets DIR`` the one in DIR
 instead (a preset tuned for another setup), with ``--presets none`` none; its values are passed
 as explicit overrides, so a changed preset is never mistaken for a finished run. The extra
 overrides (after ``--``) go to every run and win over the presets. The partition is derived
@@ -125,21 +126,28 @@ class Run:
         return [o for o in self.overrides() if not o.lstrip("+~").startswith("hydra.")]
 
 
-def preset_for(dataset: str, algorithm: str, presets: str | None, extra: Sequence[str]) -> tuple[tuple[str, ...], str]:
+def preset_for(dataset: str, algorithm: str, presets: str | None, extra: Sequence[str],
+               cfg: Any = None) -> tuple[tuple[str, ...], str]:
     """The preset overrides of one method and their source.
 
     Args:
         presets: None (``conf/tuned``), ``"none"`` (no preset) or a folder of
             ``<dataset>_<algorithm>.yaml`` files (``make tune``'s ``<out>/presets``).
         extra: the comparison's extra overrides; a preset key they set is left out (they win).
+        cfg: the runs' config, with ``presets`` None: a preset in a setup folder
+            ``conf/tuned/<dataset><setup>/`` whose ``# setup:`` line matches it
+            (:func:`fedfew.tune.preset_matches`) wins over ``conf/tuned/<dataset>_<algorithm>.yaml``.
     Returns:
         (``("~tuned", "optim.lr=...", ...)``, the preset's path or "").
     """
-    from fedfew.tune import TUNED_DIR, fixed_keys, preset_overrides
+    from fedfew.tune import TUNED_DIR, fixed_keys, preset_matches, preset_overrides
 
     if presets == "none":
         return ("~tuned",), ""
-    path = (Path(presets).expanduser().resolve() if presets else TUNED_DIR) / f"{dataset}_{algorithm}.yaml"
+    name = f"{dataset}_{algorithm}.yaml"
+    path = (Path(presets).expanduser().resolve() if presets else TUNED_DIR) / name
+    if not presets and cfg is not None and not (path.is_file() and preset_matches(path, cfg)):
+        path = next((p for p in sorted(TUNED_DIR.glob(f"*/{name}")) if preset_matches(p, cfg)), path)
     if not path.is_file():
         return ("~tuned",), ""
     fixed = fixed_keys(extra)
@@ -147,41 +155,31 @@ def preset_for(dataset: str, algorithm: str, presets: str | None, extra: Sequenc
     return ("~tuned", *values), str(path)
 
 
-def _header(path: str, field: str) -> str:
-    """The value of a ``# <field>: ...`` line of a preset's header ("" when absent or no preset)."""
-    if not path:
-        return ""
-    for line in Path(path).read_text().splitlines():
-        if line.startswith(f"# {field}:"):
-            return line.split(":", 1)[1].strip()
-    return ""
-
-
 def preset_score(path: str) -> str:
-    """The ``best validation score`` line of a preset's header ("" when absent)."""
-    return _header(path, "best validation score").split(";")[0].strip()
+    """The ``best validation score`` line of a preset's header ("" when absent or no preset)."""
+    from fedfew.tune import preset_header
+
+    return preset_header(path).get("best validation score", "").split(";")[0].strip() if path else ""
 
 
 def setup_mismatch(rows: Sequence[dict[str, Any]], config: dict[str, Any]) -> str | None:
-    """A note when some methods' presets were tuned for another setup than the runs' (their header's
-    ``# tuned for:`` against :func:`fedfew.tune.describe_setup` of the runs' config): the values
-    were chosen on that setup's validation split and may not suit this one (docs/tuning.md).
+    """A note when some methods' presets were tuned for another setup than the runs'
+    (:func:`fedfew.tune.preset_matches`: the header's ``# setup:`` against the runs' config): the
+    values were chosen on that setup's validation split and may not suit this one (docs/tuning.md).
     None when every preset matches, or no method has one."""
     from omegaconf import OmegaConf
 
-    from fedfew.tune import describe_setup
+    from fedfew.tune import describe_setup, preset_header, preset_matches
 
-    tuned_for = {row["algorithm"]: _header(row.get("preset") or "", "tuned for") for row in rows}
-    if not any(tuned_for.values()):
-        return None
-    here = describe_setup(OmegaConf.create(config))
+    cfg = OmegaConf.create(config)
     other: dict[str, list[str]] = {}
-    for alg, setup in tuned_for.items():
-        if setup and setup != here:
-            other.setdefault(setup, []).append(alg)
+    for row in rows:
+        path = row.get("preset") or ""
+        if path and not preset_matches(path, cfg):
+            other.setdefault(preset_header(path).get("tuned for") or "?", []).append(row["algorithm"])
     if not other:
         return None
-    return ("presets tuned for another setup than these runs' (" + here + "): "
+    return ("presets tuned for another setup than these runs' (" + describe_setup(cfg) + "): "
             + "; ".join(f"{', '.join(algs)} for {setup}" for setup, algs in other.items())
             + "; their values were chosen on that setup's validation split, the same way for every method")
 
@@ -699,7 +697,8 @@ def describe(rows: Sequence[dict[str, Any]], results: dict[tuple[str, int], dict
         if r["algorithm"] == MAJORITY:
             continue
         source = r.get("preset") or ""
-        where = (f"tuned preset {source}" + (f", best validation acc {preset_score(source)}" if preset_score(source) else "")
+        score = preset_score(source)
+        where = (f"tuned preset {source}" + (f", best validation acc {score}" if score else "")
                  if source else "no preset: config defaults")
         differs.append(f"{r['algorithm']}: lr {r.get('lr')}; {r.get('hyperparameters') or '(no own keys)'} ({where})")
     mismatch = setup_mismatch(rows, cfg) if cfg else None
@@ -876,6 +875,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             algorithms, named=bool(args.algorithms),
             overrides_of=lambda alg: Run(alg, args.seeds[0], out, tuple(args.extra), args.dataset,
                                          *presets[alg]).task_overrides())
+        if args.presets is None:  # a preset tuned for exactly this setup (conf/tuned/<dataset><setup>/) wins
+            for alg, cfg in list(configs.items()):
+                chosen = preset_for(args.dataset, alg, None, args.extra, cfg)
+                if chosen != presets[alg]:
+                    presets[alg] = chosen
+                    configs.update(runnable_algorithms([alg], named=True, overrides_of=lambda a: Run(
+                        a, args.seeds[0], out, tuple(args.extra), args.dataset, *presets[a]).task_overrides())[0])
     except TuneError as err:
         raise CompareError(str(err)) from err
     if left_out:

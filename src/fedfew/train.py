@@ -121,6 +121,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
         if cfg.trainer.get("threads"):
             torch.set_num_threads(int(cfg.trainer.threads))
+        _note_preset(cfg)
         data = build_federated_data(cfg)  # fails fast on missing files / impossible partitions
         fabric = make_fabric(cfg, run_dir)
         fabric.launch()
@@ -134,6 +135,22 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     except (ValueError, FileNotFoundError) as err:  # ConfigError, DataNotFoundError, PartitionError, ...
         raise SetupError(str(err)) from err
     return sim.fit()  # errors from here on are bugs or crashes: full traceback
+
+
+def _note_preset(cfg: DictConfig) -> None:
+    """Log a warning when the run's tuned preset (conf/tuned) was tuned for another setup
+    (:func:`fedfew.tune.preset_note`)."""
+    import logging
+
+    from fedfew.tune import preset_note
+
+    try:
+        choice = HydraConfig.get().runtime.choices.get("tuned")
+    except ValueError:  # not under Hydra
+        return
+    note = preset_note(choice, cfg)
+    if note:
+        logging.getLogger(__name__).warning(note)
 
 
 def _continue_command(run_dir: Path) -> str:

@@ -33,10 +33,13 @@ dataset's default setup and ``outputs/tune/digits_partition-pathological``;
 - ``tune.md``: one line per algorithm (best score, values, trials, time).
 
 With ``--install auto`` (default) the presets are also written to ``conf/tuned/``, where they
-apply to every run of that (dataset, algorithm) pair (``optional tuned`` in conf/config.yaml),
-unless the extra overrides change the setup (the partition, the clients, the model, the
-rounds ...): a preset in ``conf/tuned`` is tuned for the dataset's default setup. Presets for
-another setup stay in ``<out>/presets``; ``make compare PRESETS=<out>/presets`` uses them.
+apply to every run of that (dataset, algorithm) pair (``optional tuned`` in conf/config.yaml).
+When the extra overrides change the setup (the partition, the clients, the model, the rounds
+...), they go to ``conf/tuned/<dataset><setup>/`` instead (e.g.
+``conf/tuned/digits_partition-dirichlet/``, :func:`setup_presets_dir`): ``make compare`` uses a
+preset from there for runs whose setup equals its ``# setup:`` line (:func:`preset_matches`),
+and ``make train`` with ``tuned=<dataset><setup>/<dataset>_<algorithm>``. ``--install no``
+keeps them in ``<out>/presets`` only (``make compare PRESETS=<out>/presets`` uses them).
 
 The ``--jobs`` workers are shared by all algorithms' studies (:class:`Slots`), each study asking
 for its next batch when its previous one has finished; a trial that fails stops its own study,
@@ -361,6 +364,70 @@ def describe_setup(cfg) -> str:
     return (f"{cfg.dataset.name}, {partition_scheme(cfg.partition)}, M={cfg.num_clients} clients, {cfg.rounds} rounds, "
             f"{cfg.local_epochs} local epoch(s), batch {cfg.dataset.batch_size}, participation {cfg.participation}, "
             f"model {cfg.model.name}")
+
+
+def setup_keys(cfg) -> dict[str, Any]:
+    """The setup a preset is tuned for, as data: what :func:`describe_setup` says, with the whole
+    partition config (less ``val_fraction``, which the tune sets for its trials). A preset records
+    it in its ``# setup:`` header line; two setups are the same when these are equal."""
+    from omegaconf import OmegaConf
+
+    partition = OmegaConf.to_container(cfg.partition, resolve=True)
+    partition.pop("val_fraction", None)
+    return {"dataset": cfg.dataset.name, "partition": partition, "num_clients": cfg.num_clients,
+            "rounds": cfg.rounds, "local_epochs": cfg.local_epochs, "batch_size": cfg.dataset.batch_size,
+            "participation": float(cfg.participation), "model": cfg.model.name}
+
+
+def preset_header(path: str | Path) -> dict[str, str]:
+    """The ``# <field>: <value>`` lines of a preset's header, e.g. ``{"tuned for": "digits, ..."}``."""
+    fields = {}
+    for line in Path(path).read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        field, sep, value = line[1:].partition(":")
+        if sep:
+            fields.setdefault(field.strip(), value.strip())
+    return fields
+
+
+def preset_matches(path: str | Path, cfg) -> bool:
+    """Whether the preset at ``path`` was tuned for ``cfg``'s setup: its ``# setup:`` line equals
+    :func:`setup_keys` (``cfg``), or, in a preset written before that line existed, its ``# tuned
+    for:`` line equals :func:`describe_setup` (``cfg``)."""
+    header = preset_header(path)
+    if "setup" in header:
+        try:
+            return json.loads(header["setup"]) == json.loads(json.dumps(setup_keys(cfg)))
+        except json.JSONDecodeError:
+            return False
+    return header.get("tuned for") == describe_setup(cfg)
+
+
+def preset_note(choice: str | None, cfg) -> str | None:
+    """What a run should be told about its preset ``conf/tuned/<choice>.yaml`` (Hydra's ``tuned``
+    choice; None under ``~tuned``): None when it was tuned for ``cfg``'s setup (or there is none),
+    else that it was not, and the ``tuned=`` choice of a preset in a setup folder that was."""
+    path = TUNED_DIR / f"{choice}.yaml" if choice else None
+    if path is None or not path.is_file() or preset_matches(path, cfg):
+        return None
+    name = path.name
+    match = next((p for p in sorted(TUNED_DIR.glob(f"*/{name}")) if preset_matches(p, cfg)), None)
+    fix = (f"add tuned={match.parent.name}/{match.stem}, tuned for it" if match else
+           "no preset in conf/tuned is; make tune with this run's setup overrides makes one (docs/tuning.md)")
+    return (f"preset conf/tuned/{choice}.yaml was tuned for {preset_header(path).get('tuned for', '?')}, not this "
+            f"run's setup ({describe_setup(cfg)}): {fix}")
+
+
+def setup_presets_dir(dataset: str, extra: Sequence[str]) -> Path:
+    """Where ``--install`` puts presets: ``conf/tuned`` for the dataset's default setup, and
+    ``conf/tuned/<dataset><setup>`` (named as :func:`fedfew.runs.setup_folder` names a tune's
+    folder, e.g. ``conf/tuned/digits_partition-dirichlet``) when the extra overrides change the
+    setup; ``make compare`` picks a preset from there when its setup equals the runs'."""
+    from fedfew.runs import setup_folder
+
+    changing = setup_changing(extra)
+    return TUNED_DIR / setup_folder("tune", dataset, changing).name if changing else TUNED_DIR
 
 
 # -- one algorithm's study --------------------------------------------------------------------
@@ -788,12 +855,12 @@ def nest(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def preset_text(plan: Plan, study, command: str) -> str:
+def preset_text(plan: Plan, study, command: str, best: Choice | None = None) -> str:
     """The preset file of one tuned algorithm: ``# @package _global_``, the provenance as
-    comments, then the chosen values."""
+    comments, then the chosen values (``best``: :func:`choice` of the study, when known)."""
     import yaml
 
-    best = choice(study)
+    best = best or choice(study)
     values = best.values
     trials = completed(study)
     wall = tuning_seconds(study)
@@ -802,8 +869,10 @@ def preset_text(plan: Plan, study, command: str) -> str:
         "# @package _global_",
         f"# Tuned preset: dataset={plan.dataset} x algorithm={plan.algorithm}, written by make tune "
         "(python -m fedfew.tune; docs/tuning.md).",
-        "# In conf/tuned/ it applies to every run of this (dataset, algorithm) pair; command-line overrides win.",
+        "# In conf/tuned/ it applies to every run of this (dataset, algorithm) pair; in conf/tuned/<setup>/ make "
+        "compare uses it for runs of its setup; command-line overrides win.",
         f"# tuned for: {describe_setup(plan.cfg)}",
+        f"# setup: {json.dumps(setup_keys(plan.cfg))}",
         f"# extra overrides: {' '.join(plan.extra) or '(none)'}",
         "# search space: " + "; ".join(d.describe() for d in plan.space),
         f"# trials: {len(trials)} sampled (the same for every method) + the method's config defaults, Optuna TPE "
@@ -858,8 +927,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="output folder (default $FEDFEW_OUTPUT_DIR or outputs, then tune/<dataset>, plus the "
                              "extra overrides as in a run folder's name, e.g. outputs/tune/digits_partition-pathological)")
     parser.add_argument("--install", choices=("auto", "yes", "no"), default="auto",
-                        help="also write the presets to conf/tuned: auto (when the extra overrides keep the "
-                             "dataset's default setup), yes, no")
+                        help="also write the presets to conf/tuned (auto, the default; yes is the same): to "
+                             "conf/tuned/<dataset><setup>/ when the extra overrides change the setup | no")
     parser.add_argument("--print-overrides", metavar="PRESET", default=None,
                         help="print a preset file's values as overrides and exit (apply with ~tuned)")
     args = parser.parse_args(argv)
@@ -951,7 +1020,7 @@ def main(argv: Sequence[str] | None = None, command: Sequence[str] = TRAIN_COMMA
     note = None if args.out else older_setup_note("tune", args.dataset, out)
     if note:
         echo(note)
-    install = args.install == "yes" or (args.install == "auto" and not setup_changing(args.extra))
+    install = None if args.install == "no" else setup_presets_dir(args.dataset, args.extra)
     command_line = " ".join(shlex.quote(a) for a in ["python", "-m", "fedfew.tune", *argv])
     with exclusive(out, "make tune"):  # one tool at a time writes into out
         for plan in all_plans:  # a folder holding another tune is refused before anything runs
@@ -1003,25 +1072,28 @@ def main(argv: Sequence[str] | None = None, command: Sequence[str] = TRAIN_COMMA
         if errors:
             raise TuneError("\n\n".join(str(e) for _, e in errors)
                             + (f"\n\n(the presets of the other algorithms are written to {out / 'presets'})" if lines else ""))
-        if not install:
-            reason = "--install no" if args.install == "no" else f"the overrides {setup_changing(args.extra)} change the setup"
-            echo(f"presets written to {out / 'presets'} only ({reason}); use them with "
+        if install is None:
+            echo(f"presets written to {out / 'presets'} only (--install no); use them with "
                  f"make compare PRESETS={out / 'presets'} (or python -m fedfew.compare --presets ...)")
+        elif install != TUNED_DIR:
+            echo(f"presets installed in {install} (the overrides {setup_changing(args.extra)} change the setup): "
+                 "make compare with the same overrides uses them; make train with tuned="
+                 f"{install.name}/{args.dataset}_<algorithm>")
         echo(f"tune done in {(time.perf_counter() - start) / 60:.1f} min; summary {out / 'tune.md'}")
     return 0
 
 
-def _write_preset(plan: Plan, study, out: Path, install: bool, command_line: str, echo) -> str:
-    """Write one algorithm's preset (``<out>/presets``, and ``conf/tuned`` when ``install``);
+def _write_preset(plan: Plan, study, out: Path, install: Path | None, command_line: str, echo) -> str:
+    """Write one algorithm's preset (``<out>/presets``, and the folder ``install`` unless None);
     returns its row of tune.md."""
     best = choice(study)
-    text = preset_text(plan, study, command_line)
+    text = preset_text(plan, study, command_line, best)
     name = f"{plan.dataset}_{plan.algorithm}.yaml"
     atomic_write_text(out / "presets" / name, text)
     written = [out / "presets" / name]
-    if install:
-        atomic_write_text(TUNED_DIR / name, text)
-        written.append(TUNED_DIR / name)
+    if install is not None:
+        atomic_write_text(install / name, text)
+        written.append(install / name)
     wall = tuning_seconds(study)
     edges = range_edges(plan.space, best.values)
     echo(f"{plan.algorithm}: best validation acc {best.value:.4f} with {_fmt_values(best.values)} "

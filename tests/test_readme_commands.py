@@ -28,13 +28,13 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 
 def readme_commands() -> list[str]:
     """The commands README.md shows: each line of its ``bash`` blocks (trailing comments removed)
-    and each ``make train ...`` code span in a table row (the expected-results tables), in order and
+    and each ``make train ...`` / ``make compare ...`` code span in a table row (the expected-results tables), in order and
     without repeats. (Targets only named in prose or in the documentation table, such as ``make
     gpu-check`` and ``make bench``, are run by tests/test_gpu_check.py.)"""
     text = (ROOT / "README.md").read_text()
     lines = [ln for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S) for ln in block.splitlines()]
     lines += [span for row in text.splitlines() if row.startswith("|")
-              for span in re.findall(r"`(make train[^`]*)`", row)]
+              for span in re.findall(r"`(make (?:train|compare)[^`]*)`", row)]
     commands = []
     for line in lines:
         words = shlex.split(line, comments=True)

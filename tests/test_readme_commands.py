@@ -34,7 +34,7 @@ def readme_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
     lines = [ln for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S) for ln in block.splitlines()]
     lines += [span for row in text.splitlines() if row.startswith("|")
-              for span in re.findall(r"`(make (?:train|compare)[^`]*)`", row)]
+              for span in re.findall(r"`(make train[^`]*|make compare [^`]+)`", row)]  # not the bare name
     commands = []
     for line in lines:
         words = shlex.split(line, comments=True)
@@ -54,9 +54,13 @@ CHEAP: dict[str, tuple[list[str], str]] = {
     "make train ARGS=algorithm=oracle": ([f"ARGS={TINY} hydra.run.dir={{tmp}}/r"], "ARI 1.000"),
     "make train 'ARGS=algorithm=fedfew_reference algorithm.K=4'": (
         [f"ARGS={TINY} hydra.run.dir={{tmp}}/r"], "client-mean acc"),
-    "make train ARGS=partition=dirichlet": ([f"ARGS={TINY} hydra.run.dir={{tmp}}/r"], "dirichlet (alpha=0.5)"),
-    "make train ARGS=partition=pathological": (
-        [f"ARGS={TINY} hydra.run.dir={{tmp}}/r"], "pathological (classes_per_client=2)"),
+    # one method, one seed, one round: the command's shape and its split (ARGS merge into the README's)
+    "make compare 'ALGORITHMS=fedfew fedavg' 'SEEDS=0 1 2' ARGS=partition=dirichlet": (
+        ["ALGORITHMS=fedfew", "SEEDS=0", "COMPARE_OUT={tmp}/compare", "ARGS=rounds=1 num_clients=4"],
+        "dirichlet (alpha=0.5)"),
+    "make compare 'ALGORITHMS=fedfew fedavg' 'SEEDS=0 1 2' ARGS=partition=pathological": (
+        ["ALGORITHMS=fedfew", "SEEDS=0", "COMPARE_OUT={tmp}/compare", "ARGS=rounds=1 num_clients=4"],
+        "pathological (classes_per_client=2)"),
     "make test": (["-n", "PYTEST_ARGS=--collect-only"], "-m pytest --collect-only"),
     "make runs": (["ROOT={run}/.."], "fedfew"),
     "make notebook 'RUN=outputs/digits/fedfew/<run>'": (["RUN={run}"], "analysis.html"),

@@ -211,6 +211,9 @@ def test_study_is_reproducible_resumes_and_writes_a_preset(tmp_path, fake, monke
     before = len(log.read_text().splitlines())
     assert tune.main([*argv(whole, 5), "trainer.threads=2"], command=command) == 0
     assert len(log.read_text().splitlines()) == before
+    study = load(whole)  # tune.md still sums the trials of the earlier invocation that ran them
+    summed = sum(t.user_attrs["wall_s"] for t in tune.completed(study)) + study.user_attrs["defaults"]["wall_s"]
+    assert summed > 0 and f"summed over every invocation: {summed / 60:.1f} min (1 at a time)" in (whole / "tune.md").read_text()
     # the same folder with other settings is refused, not mixed
     with pytest.raises(TuneError, match="other settings"):
         tune.main(argv(whole, 5, "--val-fraction", "0.3"), command=command)

@@ -1027,6 +1027,7 @@ def main(argv: Sequence[str] | None = None, command: Sequence[str] = TRAIN_COMMA
             open_study(plan)
         start = time.perf_counter()
         lines, errors, interrupted = [], [], []
+        trials_wall = 0.0  # every invocation's trials: a re-run that only rewrites presets keeps the figure
         for plan in all_plans:
             echo(f"{plan.algorithm}: {plan.trials} trials on {describe_setup(plan.cfg)}; search "
                  + "; ".join(d.describe() for d in plan.space))
@@ -1052,6 +1053,7 @@ def main(argv: Sequence[str] | None = None, command: Sequence[str] = TRAIN_COMMA
                             interrupted.append((plan.algorithm, err))
                             continue
                         lines.append(_write_preset(plan, study, out, install, command_line, echo))
+                        trials_wall += tuning_seconds(study)
                 except BaseException:  # Ctrl-C: start nothing new (the running trials save a checkpoint and stop)
                     slots.stop()
                     raise
@@ -1062,7 +1064,9 @@ def main(argv: Sequence[str] | None = None, command: Sequence[str] = TRAIN_COMMA
                      "| algorithm | best validation acc | values | config defaults' validation acc | sampled trials | "
                      "trials' wall time, summed (min) | at a range edge (the range may bind) |",
                      "|---|---|---|---|---|---|---|",
-                     *lines, "", f"total wall time of this invocation: {(time.perf_counter() - start) / 60:.1f} min"]
+                     *lines, "", f"total wall time of this invocation: {(time.perf_counter() - start) / 60:.1f} min; "
+                     f"the trials' wall time summed over every invocation: {trials_wall / 60:.1f} min "
+                     f"({args.jobs} at a time)"]
             if errors or interrupted:
                 table.append(f"not finished: {', '.join(a for a, _ in errors + interrupted)}")
             atomic_write_text(out / "tune.md", "\n".join(table) + "\n")

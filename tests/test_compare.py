@@ -163,13 +163,33 @@ def test_a_preset_tuned_for_the_runs_setup_wins_is_matched_on_every_setup_key_an
     old.write_text(f"# @package _global_\n# tuned for: {tune.describe_setup(pathological)}\noptim:\n  lr: 0.1\n")
     assert tune.preset_matches(old, pathological) and not tune.preset_matches(old, dirichlet)
     assert compare.preset_for("digits", "fedavg", None, [], pathological)[1] == str(old)
-    # make train applies conf/tuned/<dataset>_<alg>.yaml to every setup: it is told when that one is not tuned for it
+    # make train applies conf/tuned/<dataset>_<alg>.yaml to every setup: it is told when that one is not tuned for it,
+    # with the keys that differ
     assert tune.preset_note("digits_fedavg", clustered) is None and tune.preset_note(None, dirichlet) is None
-    assert tune.preset_note("digits_fedavg", dirichlet) == (
-        f"preset conf/tuned/digits_fedavg.yaml was tuned for {tune.describe_setup(clustered)}, not this run's setup "
-        f"({tune.describe_setup(dirichlet)}): add tuned=digits_partition-dirichlet/digits_fedavg, tuned for it")
+    assert tune.setup_differences(sub, min_size_20) == ["partition.min_size: 10 in the preset, 20 here"]
+    assert tune.preset_note("digits_fedavg", dirichlet).startswith(
+        "preset conf/tuned/digits_fedavg.yaml was tuned for another setup (partition: clustered in the preset, "
+        "dirichlet here)")
+    assert tune.preset_note("digits_fedavg", dirichlet).endswith(
+        "): add tuned=digits_partition-dirichlet/digits_fedavg, tuned for this setup")
     assert tune.preset_note("digits_fedavg", min_size_20).endswith(
-        "no preset in conf/tuned is; make tune with this run's setup overrides makes one (docs/tuning.md)")
+        "no preset in conf/tuned was tuned for this setup (make tune with the same overrides makes one: docs/tuning.md)")
+    assert tune.preset_note("digits_partition-dirichlet/digits_fedavg", dirichlet) is None
+    fedprox = compose_config("dataset=digits", "algorithm=fedprox", "partition=dirichlet")
+    assert "is not digits_fedprox's" in tune.preset_note("digits_partition-dirichlet/digits_fedavg", fedprox)
+    # keys beyond the words: the model, the optimizer, clients per round
+    for key in ("model.hidden=[64]", "optim.name=adam", "clients_per_round=5"):
+        other = compose_config("dataset=digits", "algorithm=fedavg", key)
+        assert tune.describe_setup(other) == tune.describe_setup(clustered) and not tune.preset_matches(top, other), key
+    # a preset that records no setup (hand-written) is neither matched nor named; an unreadable # setup: line
+    # falls back to the words
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("# @package _global_\noptim:\n  lr: 0.1\n")
+    assert tune.preset_matches(bare, dirichlet) is None and tune.setup_differences(bare, dirichlet) is None
+    assert compare.setup_mismatch([{"algorithm": "fedavg", "preset": str(bare)}], OmegaConf_dict(dirichlet)) is None
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(f"# tuned for: {tune.describe_setup(dirichlet)}\n# setup: {{not json\noptim:\n  lr: 0.1\n")
+    assert tune.preset_matches(broken, dirichlet) and not tune.preset_matches(broken, clustered)
 
 
 def OmegaConf_dict(cfg) -> dict:

@@ -175,7 +175,7 @@ def setup_mismatch(rows: Sequence[dict[str, Any]], config: dict[str, Any]) -> st
     other: dict[str, list[str]] = {}
     for row in rows:
         path = row.get("preset") or ""
-        if path and not preset_matches(path, cfg):
+        if path and preset_matches(path, cfg) is False:  # None: the preset records no setup
             other.setdefault(preset_header(path).get("tuned for") or "?", []).append(row["algorithm"])
     if not other:
         return None

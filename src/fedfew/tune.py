@@ -367,16 +367,23 @@ def describe_setup(cfg) -> str:
 
 
 def setup_keys(cfg) -> dict[str, Any]:
-    """The setup a preset is tuned for, as data: what :func:`describe_setup` says, with the whole
-    partition config (less ``val_fraction``, which the tune sets for its trials). A preset records
-    it in its ``# setup:`` header line; two setups are the same when these are equal."""
+    """The setup a preset is tuned for, as data: the dataset config (less ``lr``, the search
+    range's scale), the partition (less ``val_fraction``, which the tune sets for its trials), the
+    model, the local optimizer (less ``lr``, which is searched), M, rounds, local epochs and
+    participation. A preset records it in its ``# setup:`` header line; two setups are the same
+    when these are equal. The algorithm's own keys are not in it (some are searched)."""
     from omegaconf import OmegaConf
 
-    partition = OmegaConf.to_container(cfg.partition, resolve=True)
-    partition.pop("val_fraction", None)
-    return {"dataset": cfg.dataset.name, "partition": partition, "num_clients": cfg.num_clients,
-            "rounds": cfg.rounds, "local_epochs": cfg.local_epochs, "batch_size": cfg.dataset.batch_size,
-            "participation": float(cfg.participation), "model": cfg.model.name}
+    def plain(node, *drop: str) -> dict[str, Any]:
+        out = OmegaConf.to_container(node, resolve=True)
+        for key in drop:
+            out.pop(key, None)
+        return out
+
+    return {"dataset": plain(cfg.dataset, "lr"), "partition": plain(cfg.partition, "val_fraction"),
+            "model": plain(cfg.model), "optim": plain(cfg.optim, "lr"), "num_clients": cfg.num_clients,
+            "rounds": cfg.rounds, "local_epochs": cfg.local_epochs, "participation": float(cfg.participation),
+            "clients_per_round": cfg.get("clients_per_round")}
 
 
 def preset_header(path: str | Path) -> dict[str, str]:
@@ -391,32 +398,68 @@ def preset_header(path: str | Path) -> dict[str, str]:
     return fields
 
 
-def preset_matches(path: str | Path, cfg) -> bool:
-    """Whether the preset at ``path`` was tuned for ``cfg``'s setup: its ``# setup:`` line equals
-    :func:`setup_keys` (``cfg``), or, in a preset written before that line existed, its ``# tuned
-    for:`` line equals :func:`describe_setup` (``cfg``)."""
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1} (a key "" names its parent)."""
+    if not isinstance(tree, dict):
+        return {prefix.rstrip("."): tree}
+    return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}{key}." if key else prefix).items()}
+
+
+def setup_differences(path: str | Path, cfg) -> list[str] | None:
+    """How ``cfg``'s setup differs from the one the preset at ``path`` was tuned for: ``[]`` when
+    it is the same, e.g. ``["rounds: 50 in the preset, 1 here"]``, or None when the preset records
+    no setup. Compared on its ``# setup:`` line with :func:`setup_keys`; a preset without one (or
+    with one that does not parse) on its ``# tuned for:`` line with :func:`describe_setup`."""
     header = preset_header(path)
-    if "setup" in header:
-        try:
-            return json.loads(header["setup"]) == json.loads(json.dumps(setup_keys(cfg)))
-        except json.JSONDecodeError:
-            return False
-    return header.get("tuned for") == describe_setup(cfg)
+    try:
+        tuned = json.loads(header["setup"]) if "setup" in header else None
+    except json.JSONDecodeError:
+        tuned = None
+    if isinstance(tuned, dict):
+        here = json.loads(json.dumps(setup_keys(cfg)))
+        out = []
+        for section in [*tuned, *(k for k in here if k not in tuned)]:
+            a, b = tuned.get(section, "(absent)"), here.get(section, "(absent)")
+            if a == b:
+                continue
+            if isinstance(a, dict) and isinstance(b, dict) and a.get("name") != b.get("name"):
+                a, b = {"": a.get("name")}, {"": b.get("name")}  # another partition / model / ...: its name says it
+            a, b = _flat(a, f"{section}."), _flat(b, f"{section}.")
+            out += [f"{key}: {a.get(key, '(absent)')} in the preset, {b.get(key, '(absent)')} here"
+                    for key in [*a, *(k for k in b if k not in a)] if a.get(key, "(absent)") != b.get(key, "(absent)")]
+        return out
+    if "tuned for" in header:
+        here_words = describe_setup(cfg)
+        return [] if header["tuned for"] == here_words else [f"{header['tuned for']} in the preset, {here_words} here"]
+    return None
+
+
+def preset_matches(path: str | Path, cfg) -> bool | None:
+    """Whether the preset at ``path`` was tuned for ``cfg``'s setup (:func:`setup_differences`
+    is empty); None when the preset records no setup (a hand-written file)."""
+    differences = setup_differences(path, cfg)
+    return None if differences is None else not differences
 
 
 def preset_note(choice: str | None, cfg) -> str | None:
     """What a run should be told about its preset ``conf/tuned/<choice>.yaml`` (Hydra's ``tuned``
-    choice; None under ``~tuned``): None when it was tuned for ``cfg``'s setup (or there is none),
-    else that it was not, and the ``tuned=`` choice of a preset in a setup folder that was."""
+    choice; None under ``~tuned``): None when it is the run's algorithm's and was tuned for
+    ``cfg``'s setup (or records none, or there is none), else what differs, and the ``tuned=``
+    choice of a preset in a setup folder that was tuned for this setup."""
     path = TUNED_DIR / f"{choice}.yaml" if choice else None
-    if path is None or not path.is_file() or preset_matches(path, cfg):
+    if path is None or not path.is_file():
         return None
-    name = path.name
-    match = next((p for p in sorted(TUNED_DIR.glob(f"*/{name}")) if preset_matches(p, cfg)), None)
-    fix = (f"add tuned={match.parent.name}/{match.stem}, tuned for it" if match else
-           "no preset in conf/tuned is; make tune with this run's setup overrides makes one (docs/tuning.md)")
-    return (f"preset conf/tuned/{choice}.yaml was tuned for {preset_header(path).get('tuned for', '?')}, not this "
-            f"run's setup ({describe_setup(cfg)}): {fix}")
+    own = f"{cfg.dataset.name}_{cfg.algorithm.name}"
+    if path.stem != own:
+        return f"preset conf/tuned/{choice}.yaml is not {own}'s: its values were tuned for another method"
+    differences = setup_differences(path, cfg)
+    if not differences:
+        return None
+    match = next((p for p in sorted(TUNED_DIR.glob(f"*/{path.name}")) if preset_matches(p, cfg)), None)
+    fix = (f"add tuned={match.parent.name}/{match.stem}, tuned for this setup" if match else
+           "no preset in conf/tuned was tuned for this setup (make tune with the same overrides makes one: "
+           "docs/tuning.md)")
+    return f"preset conf/tuned/{choice}.yaml was tuned for another setup ({'; '.join(differences)}): {fix}"
 
 
 def setup_presets_dir(dataset: str, extra: Sequence[str]) -> Path:

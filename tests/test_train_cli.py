@@ -40,6 +40,7 @@ def test_embedded_default_learns_digits(tmp_path):
     # no model starves, so the collapse watch stays quiet (it fires with the reference rule:
     # tests/test_clustered.py)
     assert "warning:" not in proc.stderr and s["collapse_warnings"] == []
+    assert results["preset"] == {"tuned": "digits_fedfew", "tuned_for_this_setup": True, "note": None}
     assert len(results["clients"]) == 20 and len(results["alpha"]) == 20
     assert abs(sum(results["alpha"]) - 1) < 1e-6
     assert all(abs(sum(row) - 1) < 1e-6 and len(row) == 4 for row in results["w"])
@@ -59,6 +60,9 @@ def test_same_seed_same_results_different_seed_differs(tmp_path):
         proc = train(f"hydra.run.dir={tmp_path / name}", "rounds=4", f"seed={seed}", "logger=none", "trainer.threads=1")
         assert proc.returncode == 0, proc.stderr[-2000:]
         out = json.loads((tmp_path / name / "results.json").read_text())
+        # the digits preset applies, tuned for 50 rounds: results.json and the log say so
+        assert out["preset"]["tuned"] == "digits_fedfew" and out["preset"]["tuned_for_this_setup"] is False
+        assert "(rounds: 50 in the preset, 4 here)" in out["preset"]["note"] and out["preset"]["note"] in proc.stdout
         return out["alpha"], out["w"], [c["acc"] for c in out["clients"]], out["partition_hash"]
 
     from concurrent.futures import ThreadPoolExecutor

@@ -86,6 +86,8 @@ class Simulation:
 
     def __init__(self, cfg: DictConfig, fabric: Fabric, run_dir: Path, data: FederatedData | None = None) -> None:
         self.cfg, self.fabric, self.run_dir = cfg, fabric, Path(run_dir)
+        #: the tuned preset the run composed (results.json ``preset``; set by fedfew.train), None outside it
+        self.preset: dict[str, Any] | None = None
         host_data = data if data is not None else build_federated_data(cfg)
         self.host_data = host_data
         self.data = to_device(host_data, fabric.device)
@@ -338,6 +340,8 @@ class Simulation:
             "world_size": fabric.world_size,
             "budget": self.budget(),
         }
+        if self.preset is not None:
+            results["preset"] = self.preset
         if also:  # the same run, scored under eval.also's protocols: what a run of each would report
             results["also"] = {
                 p: {"summary": {**r["summary"], "rounds": int(cfg.rounds), **self.algorithm.summary()},

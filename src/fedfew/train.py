@@ -121,11 +121,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
         if cfg.trainer.get("threads"):
             torch.set_num_threads(int(cfg.trainer.threads))
-        _note_preset(cfg)
+        preset = _preset(cfg)
         data = build_federated_data(cfg)  # fails fast on missing files / impossible partitions
         fabric = make_fabric(cfg, run_dir)
         fabric.launch()
         sim = Simulation(cfg, fabric, run_dir, data=data)
+        sim.preset = preset
         if checked.state is not None:
             sim.load_state_dict(checked.state)
             if fabric.global_rank == 0:
@@ -137,20 +138,27 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     return sim.fit()  # errors from here on are bugs or crashes: full traceback
 
 
-def _note_preset(cfg: DictConfig) -> None:
-    """Log a warning when the run's tuned preset (conf/tuned) was tuned for another setup
-    (:func:`fedfew.tune.preset_note`)."""
+def _preset(cfg: DictConfig) -> dict[str, Any] | None:
+    """The tuned preset the run composed, for results.json's ``preset``: ``tuned`` (Hydra's choice,
+    e.g. ``digits_fedfew``, or None under ``~tuned``, where make compare and make tune pass a
+    preset's values as overrides instead), ``tuned_for_this_setup`` (bool, or None when the preset
+    records no setup or there is none) and ``note``. Logs the note as a warning when the preset was
+    tuned for another setup or method (:func:`fedfew.tune.preset_note`). None outside Hydra."""
     import logging
 
-    from fedfew.tune import preset_note
+    from fedfew.tune import TUNED_DIR, preset_matches, preset_note
 
     try:
         choice = HydraConfig.get().runtime.choices.get("tuned")
     except ValueError:  # not under Hydra
-        return
+        return None
+    path = TUNED_DIR / f"{choice}.yaml" if choice else None
+    exists = path is not None and path.is_file()
     note = preset_note(choice, cfg)
     if note:
         logging.getLogger(__name__).warning(note)
+    return {"tuned": choice if exists else None,
+            "tuned_for_this_setup": preset_matches(path, cfg) if exists else None, "note": note}
 
 
 def _continue_command(run_dir: Path) -> str:

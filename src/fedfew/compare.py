@@ -140,14 +140,14 @@ def preset_for(dataset: str, algorithm: str, presets: str | None, extra: Sequenc
     Returns:
         (``("~tuned", "optim.lr=...", ...)``, the preset's path or "").
     """
-    from fedfew.tune import TUNED_DIR, fixed_keys, preset_matches, preset_overrides
+    from fedfew.tune import TUNED_DIR, fixed_keys, preset_matches, preset_overrides, setup_preset
 
     if presets == "none":
         return ("~tuned",), ""
     name = f"{dataset}_{algorithm}.yaml"
     path = (Path(presets).expanduser().resolve() if presets else TUNED_DIR) / name
     if not presets and cfg is not None and not (path.is_file() and preset_matches(path, cfg)):
-        path = next((p for p in sorted(TUNED_DIR.glob(f"*/{name}")) if preset_matches(p, cfg)), path)
+        path = setup_preset(name, cfg) or path
     if not path.is_file():
         return ("~tuned",), ""
     fixed = fixed_keys(extra)
@@ -870,18 +870,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if note:
             _echo(note)
     presets = {alg: preset_for(args.dataset, alg, args.presets, args.extra) for alg in algorithms}
+    def overrides_of(alg: str) -> list[str]:
+        return Run(alg, args.seeds[0], out, tuple(args.extra), args.dataset, *presets[alg]).task_overrides()
+
     try:  # every run config is checked before any run starts (the default list leaves out what cannot run)
-        configs, left_out = runnable_algorithms(
-            algorithms, named=bool(args.algorithms),
-            overrides_of=lambda alg: Run(alg, args.seeds[0], out, tuple(args.extra), args.dataset,
-                                         *presets[alg]).task_overrides())
+        configs, left_out = runnable_algorithms(algorithms, named=bool(args.algorithms), overrides_of=overrides_of)
         if args.presets is None:  # a preset tuned for exactly this setup (conf/tuned/<dataset><setup>/) wins
             for alg, cfg in list(configs.items()):
                 chosen = preset_for(args.dataset, alg, None, args.extra, cfg)
                 if chosen != presets[alg]:
                     presets[alg] = chosen
-                    configs.update(runnable_algorithms([alg], named=True, overrides_of=lambda a: Run(
-                        a, args.seeds[0], out, tuple(args.extra), args.dataset, *presets[a]).task_overrides())[0])
+                    configs.update(runnable_algorithms([alg], named=True, overrides_of=overrides_of)[0])
     except TuneError as err:
         raise CompareError(str(err)) from err
     if left_out:

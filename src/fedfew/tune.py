@@ -441,6 +441,12 @@ def preset_matches(path: str | Path, cfg) -> bool | None:
     return None if differences is None else not differences
 
 
+def setup_preset(name: str, cfg) -> Path | None:
+    """The preset ``conf/tuned/<setup folder>/<name>`` tuned for ``cfg``'s setup (the first in
+    folder order), or None."""
+    return next((p for p in sorted(TUNED_DIR.glob(f"*/{name}")) if preset_matches(p, cfg)), None)
+
+
 def preset_note(choice: str | None, cfg) -> str | None:
     """What a run should be told about its preset ``conf/tuned/<choice>.yaml`` (Hydra's ``tuned``
     choice; None under ``~tuned``): None when it is the run's algorithm's and was tuned for
@@ -455,7 +461,7 @@ def preset_note(choice: str | None, cfg) -> str | None:
     differences = setup_differences(path, cfg)
     if not differences:
         return None
-    match = next((p for p in sorted(TUNED_DIR.glob(f"*/{path.name}")) if preset_matches(p, cfg)), None)
+    match = setup_preset(path.name, cfg)
     fix = (f"add tuned={match.parent.name}/{match.stem}, tuned for this setup" if match else
            "no preset in conf/tuned was tuned for this setup (make tune with the same overrides makes one: "
            "docs/tuning.md)")

@@ -102,6 +102,48 @@ def test_a_method_below_the_majority_label_on_some_seed_is_flagged():
     assert "**bad is below the majority label**" in to_markdown(rows, "t", warnings)
 
 
+def test_clients_whose_scored_model_diverged_are_counted_per_seed_even_above_the_majority_label():
+    # "part" scores 0.7 on both seeds, above the majority label (0.4), but on seed 1 the scored
+    # model of one of its two clients gives a NaN loss: that must be said, not averaged in silently
+    results = {("fedfew", s): fake_results(0.8, [0.5, 0.3], f"h{s}") for s in (0, 1)}
+    results.update({("part", s): fake_results(0.7, [0.5, 0.3], f"h{s}") for s in (0, 1)})
+    for s in (0, 1):
+        for alg in ("fedfew", "part"):
+            results[(alg, s)]["clients"] = [{"id": i, "majority_acc": m, "selection_loss": 0.4}
+                                            for i, m in enumerate([0.5, 0.3])]
+    results[("part", 1)]["clients"][1]["selection_loss"] = float("nan")
+    results[("fedfew", 0)]["clients"][0]["selection_loss"] = float("inf")
+    rows, warnings = summarize(results, ["fedfew", "part"], reference="fedfew")
+    assert warnings == [
+        "**fedfew diverged** (seed 0: 1 of 2 clients): those clients' scored models have a non-finite loss and "
+        "predict one class; its row counts them (train_loss in its metrics.csv shows when)",
+        "**part diverged** (seed 1: 1 of 2 clients): those clients' scored models have a non-finite loss and "
+        "predict one class; its row counts them (train_loss in its metrics.csv shows when)",
+    ]
+    f, part, _ = rows
+    assert (f["diverged_clients_per_seed"], part["diverged_clients_per_seed"]) == ("0:1", "1:1")
+    table = {r["algorithm"]: r for r in csv.DictReader(io.StringIO(to_csv(rows)))}
+    assert table["part"]["diverged_clients_per_seed"] == "1:1" and table[MAJORITY]["diverged_clients_per_seed"] == ""
+    assert "**part diverged** (seed 1: 1 of 2 clients)" in to_markdown(rows, "t", warnings)
+
+
+def test_a_runs_summary_names_the_clients_whose_scored_model_diverged():
+    from fedfew.callbacks import summary_lines
+    from fedfew.runs import diverged_clients
+
+    run = fake_results(0.6, [0.5, 0.3, 0.2])
+    run["summary"].update(models_served=[3])
+    run["clients"] = [{"id": i, "majority_acc": 0.5, "selection_loss": x}
+                      for i, x in enumerate([0.3, float("nan"), float("-inf")])]
+    assert diverged_clients(run) == [1, 2]
+    lines = [line for line in summary_lines(run) if line.startswith("DIVERGED")]
+    assert lines == ["DIVERGED: the scored model of 2 of 3 clients has a non-finite loss (clients [1, 2]), so it "
+                     "predicts one class; the figures above count them. Look at train_loss in metrics.csv: a lower "
+                     "optim.lr is the usual cure"]
+    run["clients"][1]["selection_loss"] = run["clients"][2]["selection_loss"] = 1.0
+    assert diverged_clients(run) == [] and not any(line.startswith("DIVERGED") for line in summary_lines(run))
+
+
 def test_presets_tuned_for_another_setup_are_named(tmp_path):
     from omegaconf import OmegaConf
 

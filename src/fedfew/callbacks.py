@@ -494,6 +494,13 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         f"sample-weighted {s['acc_weighted']:.4f}; majority-label baseline {s['majority_acc_mean']:.4f}",
         models_line(s),
     ]
+    from fedfew.runs import diverged_clients
+
+    diverged = diverged_clients(results)
+    if diverged:
+        lines.append(f"DIVERGED: the scored model of {len(diverged)} of {len(results['clients'])} clients has a "
+                     f"non-finite loss (clients {diverged}), so it predicts one class; the figures above count "
+                     "them. Look at train_loss in metrics.csv: a lower optim.lr is the usual cure")
     if s.get("K_changes") is not None:  # FedFew K=auto (fedfew.auto_k)
         retired = ", ".join(f"{c['model']} at round {c['round']} ({c['reason']}"
                             + (f" of {c['partner']})" if c.get("partner") is not None else ")") for c in s["K_changes"])

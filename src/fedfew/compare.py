@@ -27,7 +27,8 @@ Written to ``<out>`` (atomically; :func:`summarize` defines every column):
   mean of the last three evaluations (``*_last3``); balanced accuracy and macro-F1; the paired
   per-seed difference of ``acc_mean`` against the reference method (fedfew: ``diff_*``); the
   budget actually used (rounds, local SGD steps, server models, bytes up and down per round and
-  per participating client per round, d); the learning rate and own keys of each method.
+  per participating client per round, d); the learning rate and own keys of each method; per seed,
+  how many clients' scored models diverged (``diverged_clients_per_seed``, "seed:count" where not 0).
 - ``compare.md``: the same as two tables plus notes (what every method shared and what differs,
   the presets, whether fedfew is first, the protocol; ``reference`` is labelled OPTIMISTIC).
 - ``accuracy_rounds.png`` and ``accuracy_bytes.png``: client-mean accuracy against rounds and
@@ -57,6 +58,7 @@ from fedfew.io import atomic_write_text
 from fedfew.launch import (FAILED_RESULTS, Busy, check_not_training, exclusive, launch, outcome, progress,
                            recorded_overrides, refused_checkpoint, tidy)
 from fedfew.partition_report import partition_scheme
+from fedfew.runs import diverged_clients
 
 MAJORITY = "majority label"
 """Name of the reference row: every client predicts the most frequent label of its train split."""
@@ -73,7 +75,7 @@ CSV_FIELDS = (
     "diff_acc_mean", "diff_acc_mean_std", "diff_acc_mean_per_seed", "diff_acc_mean_last3", "diff_acc_mean_last3_std",
     "diff_reference", "diff_seeds",
     "acc_std_across_clients", "acc_max", "balanced_acc_mean", "macro_f1_mean", "assignment_ari", "models_in_use",
-    "protocol", "optimistic",
+    "diverged_clients_per_seed", "protocol", "optimistic",
     "rounds", "local_steps", "server_models", "bytes_up_per_round", "bytes_down_per_round",
     "bytes_up_per_client_round", "bytes_down_per_client_round", "params_up_per_client_round",
     "params_down_per_client_round", "num_parameters", "participants_per_round",
@@ -403,6 +405,7 @@ def seed_metrics(result: dict[str, Any]) -> dict[str, float]:
     out.update({f"{m}_last3": _mean([float(e[m]) for e in tail if m in e]) for m in METRICS})
     for key in ("balanced_acc_mean", "macro_f1_mean", "assignment_ari", "models_in_use"):
         out[key] = float(s[key]) if key in s else None
+    out["diverged_clients"], out["num_clients"] = len(diverged_clients(result)), len(result.get("clients", []))
     return out
 
 
@@ -436,6 +439,24 @@ def below_majority(figures: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
     return out
 
 
+def diverged_runs(figures: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
+    """One warning per method with clients whose scored model diverged on some seed
+    (:func:`fedfew.runs.diverged_clients`): those clients predict one class, and the method's row
+    averages them in, so its figures measure its preset's stability as much as the method.
+
+    Args:
+        figures: algorithm -> seed -> :func:`seed_metrics` figures.
+    """
+    out = []
+    for alg, per_seed in figures.items():
+        hit = [f"seed {s}: {f['diverged_clients']} of {f['num_clients']} clients" for s, f in sorted(per_seed.items())
+               if f.get("diverged_clients")]
+        if hit:
+            out.append(f"**{alg} diverged** ({'; '.join(hit)}): those clients' scored models have a non-finite loss and "
+                       "predict one class; its row counts them (train_loss in its metrics.csv shows when)")
+    return out
+
+
 def paired(values: dict[int, float], reference: dict[int, float]) -> dict[int, float]:
     """Per-seed differences ``values[s] - reference[s]`` over the seeds both have (the same
     partition, initialisation and participation streams)."""
@@ -453,7 +474,11 @@ def summarize(results: dict[tuple[str, int], dict[str, Any]], algorithms: Sequen
     difference of ``acc_mean`` (and ``acc_mean_last3``) against ``reference``: per seed
     (``diff_acc_mean_per_seed``, "seed:value" pairs), their mean and sample std; the budget of
     its runs (results.json ``budget``: rounds, local SGD steps (mean over seeds), server models,
-    bytes per round and per participating client per round, d); lr, own keys and preset.
+    bytes per round and per participating client per round, d); lr, own keys and preset; the
+    seeds where clients' scored models diverged, as "seed:count" (``diverged_clients_per_seed``,
+    :func:`fedfew.runs.diverged_clients`). Warnings: runs that differ in what every method shares,
+    a method below the majority label on some seed (:func:`below_majority`), and one that diverged
+    (:func:`diverged_runs`).
 
     Args:
         results: (algorithm, seed) -> the run's ``results.json``.
@@ -484,7 +509,7 @@ def summarize(results: dict[tuple[str, int], dict[str, Any]], algorithms: Sequen
         majority_runs.setdefault(seed, r)
     figures[MAJORITY] = {seed: majority_metrics(r) for seed, r in majority_runs.items()}
     ref = figures.get(reference) if reference else None
-    warnings += below_majority(figures)
+    warnings += below_majority(figures) + diverged_runs(figures)
 
     def spread(row: dict[str, Any], figs: dict[int, dict[str, Any]]) -> None:
         for m in METRICS:
@@ -532,6 +557,8 @@ def summarize(results: dict[tuple[str, int], dict[str, Any]], algorithms: Sequen
             "local_epochs": cfg["local_epochs"], "batch_size": cfg["dataset"]["batch_size"],
             "num_clients": cfg["num_clients"],
         }
+        row["diverged_clients_per_seed"] = " ".join(f"{s}:{f['diverged_clients']}" for s, f in figures[alg].items()
+                                                    if f["diverged_clients"])
         spread(row, figures[alg])
         rows.append(row)
     if majority_runs:

@@ -26,6 +26,7 @@ import argparse
 import csv
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -286,6 +287,25 @@ def _metrics_progress(path: Path) -> tuple[int, dict[str, Any]]:
     evaluated = [r for r in rows if r.get("acc_mean")]
     summary = {k: float(v) for k, v in evaluated[-1].items() if k.startswith(("acc_", "majority_")) and v} if evaluated else {}
     return last_round, summary
+
+
+def diverged_clients(results: dict[str, Any]) -> list[int]:
+    """Ids of the clients whose scored model diverged: its loss on the client's selection split
+    is non-finite (``clients[i].selection_loss`` of a results.json is NaN or inf, which
+    :func:`fedfew.evaluation.evaluate_clients` gives only when every candidate model of the client
+    is non-finite there). Such a model predicts one class for every sample, yet a run where only
+    some clients diverged can still score above the majority label, so the figure says nothing of
+    it; :func:`fedfew.callbacks.summary_lines` and the comparison report it.
+
+    Args:
+        results: a run's results.json (a client without ``selection_loss`` counts as finite).
+    """
+    out = []
+    for c in results.get("clients", []):
+        loss = c.get("selection_loss")
+        if loss is not None and not math.isfinite(float(loss)):
+            out.append(int(c["id"]))
+    return out
 
 
 def run_info(path: Path, now: float | None = None) -> RunInfo:

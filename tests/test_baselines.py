@@ -292,6 +292,17 @@ def test_ditto_personal_update_has_the_lambda_term(tmp_path, cpu_fabric):
 
 # -- APFL --------------------------------------------------------------------------------------------
 
+def test_apfl_alpha_step_clips_and_keeps_alpha_on_a_nan_gradient():
+    from fedfew.algorithms.apfl import alpha_step
+
+    assert alpha_step(0.5, 0.1, 2.0) == pytest.approx(0.3)             # 0.5 - 0.1 * 2
+    assert alpha_step(0.5, 0.1, -2.0) == pytest.approx(0.7)
+    assert alpha_step(0.5, 0.1, 10.0) == 0.0 and alpha_step(0.5, 0.1, -10.0) == 1.0  # clipped to [0, 1]
+    assert alpha_step(0.5, 0.1, float("inf")) == 0.0 and alpha_step(0.5, 0.1, float("-inf")) == 1.0
+    # a diverged personal model: the old min(1, max(0, nan)) logged alpha = 0; alpha now stays
+    assert alpha_step(0.37, 0.1, float("nan")) == 0.37
+
+
 def test_apfl_scores_the_alpha_mixture(tmp_path, cpu_fabric):
     sim = small_sim(tmp_path, cpu_fabric, "apfl", "algorithm.alpha=0.25", "algorithm.adaptive=false")
     alg, client = sim.algorithm, sim.host_data.clients[0]

@@ -34,6 +34,7 @@ single step size).
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,20 @@ def mix_(target: nn.Module, personal: nn.Module, shared: nn.Module, alpha: float
     with torch.no_grad():
         for t, v, w in zip(target.parameters(), personal.parameters(), shared.parameters()):
             torch.add(v * alpha, w, alpha=1.0 - alpha, out=t)
+
+
+def alpha_step(alpha: float, alpha_lr: float, grad_alpha: float) -> float:
+    """One adaptive step of the mixing weight: clip(alpha - alpha_lr * grad_alpha, 0, 1) (APFL,
+    Deng et al. 2020, Algorithm 1; ``grad_alpha`` = <v - w, grad f(v_bar)>, a scalar).
+
+    A NaN gradient (the personal model diverged) leaves alpha as it was: Python's ``max(0.0, nan)``
+    is 0.0, so clipping it would log alpha = 0 as if the client had chosen the global model. The
+    client's divergence is reported where it is scored (fedfew.runs.diverged_clients). An infinite
+    gradient is a step past a bound and is clipped to it.
+    """
+    if math.isnan(grad_alpha):
+        return alpha
+    return min(1.0, max(0.0, alpha - alpha_lr * grad_alpha))
 
 
 def copy_buffers_(dst: nn.Module, src: nn.Module) -> None:
@@ -136,7 +151,7 @@ class APFL(Averaging):
                     p.grad = alpha * g
                 opt_v.step()
                 if self.adaptive:
-                    alpha = min(1.0, max(0.0, alpha - self.alpha_lr * grad_alpha))
+                    alpha = alpha_step(alpha, self.alpha_lr, grad_alpha)
                 running += loss_bar.detach().float() * batch[1].numel()
         self.contribute(0, client)
         copy_buffers_(v, v_bar)

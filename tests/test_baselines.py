@@ -22,6 +22,7 @@ from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import WeightedSum, proximal_term
+from fedfew.algorithms.apfl import alpha_step
 from fedfew.algorithms.ifca import assign
 from fedfew.local import evaluate_model
 from fedfew.module import assign_flat_, flat_parameters
@@ -293,8 +294,6 @@ def test_ditto_personal_update_has_the_lambda_term(tmp_path, cpu_fabric):
 # -- APFL --------------------------------------------------------------------------------------------
 
 def test_apfl_alpha_step_clips_and_keeps_alpha_on_a_nan_gradient():
-    from fedfew.algorithms.apfl import alpha_step
-
     assert alpha_step(0.5, 0.1, 2.0) == pytest.approx(0.3)             # 0.5 - 0.1 * 2
     assert alpha_step(0.5, 0.1, -2.0) == pytest.approx(0.7)
     assert alpha_step(0.5, 0.1, 10.0) == 0.0 and alpha_step(0.5, 0.1, -10.0) == 1.0  # clipped to [0, 1]

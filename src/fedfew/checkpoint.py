@@ -46,7 +46,7 @@ RESUME_FREE_KEYS = (
 #: keys added to the config since checkpoints were first written, with the value that does what
 #: fedfew did before: a checkpoint without the key counts as having that value (so an upgrade
 #: does not make every saved run unresumable)
-ADDED_KEYS: dict[str, Any] = {"eval.also": []}
+ADDED_KEYS: dict[str, Any] = {"eval.also": [], "optim.clip_norm": None}
 _ABSENT = object()
 
 

@@ -69,6 +69,8 @@ RULES: list[Rule] = [
     Rule("optim.lr", "number > 0", lambda v: _is_number(v) and v > 0),
     Rule("optim.momentum", "number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1),
     Rule("optim.weight_decay", "number >= 0", lambda v: _is_number(v) and v >= 0),
+    Rule("optim.clip_norm", "null (no clipping) or number > 0 (max L2 norm of a local step's gradient)",
+         lambda v: v is None or (_is_number(v) and v > 0)),
     Rule("optim.schedule", "constant | exponential | cosine (local lr over rounds)",
          lambda v: v in ("constant", "exponential", "cosine")),
     Rule("optim.gamma", "number in (0, 1] (exponential: lr * gamma^(round-1))", lambda v: _is_number(v) and 0 < v <= 1),

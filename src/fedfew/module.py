@@ -35,6 +35,28 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": lambda params, lr, momentum, weight_decay: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay),
 }
 
+def clip_before_step(optimizer: torch.optim.Optimizer, clip_norm: float) -> torch.optim.Optimizer:
+    """Make every ``optimizer.step()`` first scale the gradients of the parameters it updates
+    so that their joint L2 norm is at most ``clip_norm`` (``torch.nn.utils.clip_grad_norm_``:
+    a gradient of norm g > clip_norm is multiplied by clip_norm / (g + 1e-6); a smaller one is
+    left as it is). The norm is over this optimizer's parameters only (APFL's two optimizers,
+    FedRep's head optimizer clip separately), in float32 or wider, whatever the model's dtype.
+
+    Args:
+        optimizer: any torch optimizer; a step pre-hook is registered on it.
+        clip_norm: the bound (> 0), in the units of the gradient (loss per parameter unit).
+    Returns:
+        ``optimizer`` itself.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def clip(_optimizer, _args, _kwargs) -> None:
+        torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], clip_norm)
+
+    optimizer.register_step_pre_hook(clip)
+    return optimizer
+
+
 #: local learning-rate schedules over rounds (``optim.schedule``): round r of R (1-based) uses
 #: ``lr * factor(r, R, optim)``. ``exponential`` is PFLlib's ``learning_rate_decay`` (gamma per
 #: round); ``cosine`` anneals from ``lr`` to ``optim.min_lr`` at the last round.
@@ -201,8 +223,11 @@ class KModelSet(L.LightningModule):
         weight_decay: weight decay (default 0).
         optimizer: local optimizer, a key of :data:`OPTIMIZERS` (``"sgd"``, the reference's,
             ``"adam"`` or ``"adamw"``).
+        clip_norm: ``optim.clip_norm``: None (no clipping) or the largest L2 norm of the
+            gradient an optimizer step may use (:func:`clip_before_step`); every optimizer
+            :meth:`make_optimizer` builds clips, so every method's local steps do.
     Raises:
-        ValueError: K < 1, an unknown ``init`` or an unknown ``optimizer``.
+        ValueError: K < 1, an unknown ``init`` or an unknown ``optimizer``, ``clip_norm <= 0``.
     """
 
     def __init__(
@@ -215,8 +240,11 @@ class KModelSet(L.LightningModule):
         momentum: float = 0.0,
         weight_decay: float = 0.0,
         optimizer: str = "sgd",
+        clip_norm: float | None = None,
     ) -> None:
         super().__init__()
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"optim.clip_norm must be null or a number > 0, got {clip_norm}")
         if K < 1:
             raise ValueError(f"algorithm.K must be >= 1, got {K}")
         if optimizer not in OPTIMIZERS:
@@ -238,6 +266,7 @@ class KModelSet(L.LightningModule):
             self.working = build_model()
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.optimizer = optimizer
+        self.clip_norm = None if clip_norm is None else float(clip_norm)
 
     @property
     def K(self) -> int:
@@ -257,8 +286,12 @@ class KModelSet(L.LightningModule):
         return self.make_optimizer(self.working.parameters())
 
     def make_optimizer(self, params) -> torch.optim.Optimizer:
-        """A fresh ``optim.name`` optimizer (lr, momentum, weight decay from the config) over ``params``."""
-        return OPTIMIZERS[self.optimizer](params, self.lr, self.momentum, self.weight_decay)
+        """A fresh ``optim.name`` optimizer (lr, momentum, weight decay from the config) over
+        ``params``; with ``clip_norm`` its every step first clips the gradient (:func:`clip_before_step`)."""
+        optimizer = OPTIMIZERS[self.optimizer](params, self.lr, self.momentum, self.weight_decay)
+        if self.clip_norm is not None:
+            clip_before_step(optimizer, self.clip_norm)
+        return optimizer
 
     def retire_(self, position: int) -> int:
         """Remove server model ``position`` (0..K-1) from the set (``algorithm.K=auto``); the

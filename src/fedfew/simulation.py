@@ -103,6 +103,7 @@ class Simulation:
             momentum=float(cfg.optim.momentum),
             weight_decay=float(cfg.optim.weight_decay),
             optimizer=str(cfg.optim.get("name", "sgd")),
+            clip_norm=cfg.optim.get("clip_norm"),
         ).to(fabric.device)
         self.num_train = torch.tensor([len(c.train) for c in host_data.clients], dtype=torch.int64)
         self.ctx = Context(

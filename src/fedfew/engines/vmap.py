@@ -117,8 +117,15 @@ class VmapEngine(Engine):
         return (F.cross_entropy(logits.float(), y, reduction="none") * weight).sum()
 
     def _sgd_(self, rows: int, grads: list[torch.Tensor], first: bool) -> None:
-        """``torch.optim.SGD``'s update (dampening 0, no Nesterov) on the first ``rows`` copies."""
+        """``torch.optim.SGD``'s update (dampening 0, no Nesterov) on the first ``rows`` copies,
+        each copy's gradient first clipped to ``optim.clip_norm`` as ``loop`` clips it
+        (:func:`fedfew.module.clip_before_step`: scaled by clip / (norm + 1e-6) when its norm
+        exceeds the bound)."""
         params = [p[:rows] for p in self._params]
+        if self.module.clip_norm is not None:
+            norms = torch.stack([g.reshape(rows, -1).float().pow(2).sum(dim=1) for g in grads]).sum(dim=0).sqrt()
+            scale = (self.module.clip_norm / (norms + 1e-6)).clamp(max=1.0)
+            grads = [g * scale.to(g.dtype).view(rows, *([1] * (g.dim() - 1))) for g in grads]
         if self.weight_decay:
             grads = torch._foreach_add(grads, params, alpha=self.weight_decay)
         if self.momentum:

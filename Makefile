@@ -17,7 +17,7 @@ DATA_ARG := $(if $(DATA_DIR),data_dir=$(abspath $(DATA_DIR)),)
 help:
 	@echo "make install | train DATASET=<name> [DATA_DIR=<dir>] [ARGS='<hydra overrides>'] | test | runs [ROOT=<dir>] | notebook RUN=<run dir>"
 	@echo "     tune DATASET=<name> ALGORITHMS='...' | compare DATASET=<name> ALGORITHMS='...' SEEDS='0 1 2' JOBS=2"
-	@echo "     slurm DATASET=<name> NODES=<n> GPUS=<g> TIME=<hh:mm:ss> | slurm-up | slurm-down | bench | gpu-check  (README.md, docs/)"
+	@echo "     slurm DATASET=<name> NODES=<n> GPUS=<g> TIME=<hh:mm:ss> [DATA_ON_NODES=1] | slurm-up | slurm-down | bench | gpu-check  (README.md, docs/)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,7 +48,9 @@ test: $(STAMP)
 		$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # SLURM: check the run config on this node (`python -m fedfew.check`: the checks `make train` makes
-# before loading data, a few seconds; a bad config is never queued), render
+# before loading data, and that the dataset's files are under DATA_DIR, a few seconds; a bad config or
+# a missing data path is never queued; DATA_ON_NODES=1 skips the files check for data that exists only
+# on the compute nodes), render
 # scripts/slurm/job.sbatch.template and submit it (one task per device); prints the job id, the run
 # folder and the `tail -F` command that follows the job's log (docs/clusters.md).
 NODES ?= 1
@@ -60,10 +62,11 @@ PARTITION ?= $(or $(FEDFEW_SLURM_PARTITION),debug)
 OUTPUTS := $(or $(FEDFEW_OUTPUT_DIR),outputs)
 SLURM_OUT ?= $(abspath $(OUTPUTS)/slurm)
 ACCELERATOR ?= $(if $(filter 0,$(GPUS)),cpu,gpu)
+DATA_ON_NODES ?=
 
 slurm: $(STAMP)
 	mkdir -p $(SLURM_OUT)
-	$(BIN)/python scripts/slurm/render.py --submit --check --job-name fedfew-$(DATASET) --nodes $(NODES) \
+	$(BIN)/python scripts/slurm/render.py --submit --check $(if $(filter-out 0,$(DATA_ON_NODES)),--data-on-nodes) --job-name fedfew-$(DATASET) --nodes $(NODES) \
 		--ntasks-per-node $(TASKS) --gpus-per-node $(GPUS) --cpus-per-task $(CPUS) --time $(TIME) \
 		--partition $(PARTITION) --output $(SLURM_OUT)/%j.out --workdir $(CURDIR) \
 		--python $(abspath $(BIN)/python) --run-root $(SLURM_OUT) --script $(SLURM_OUT)/last.sbatch -- \

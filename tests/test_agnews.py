@@ -1,7 +1,9 @@
-"""AG News loader: original CSV format, HF fallback failure, real-data counts."""
+"""AG News loader: original CSV format, strict reading of damaged files, HF fallback failure,
+real-data counts."""
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from fedfew.data.base import DataNotFoundError, PooledDataset
+from fedfew.data.base import DataFormatError, DataNotFoundError, PooledDataset
 from fedfew.data.datasets import DATASETS
 from fedfew.data.datasets import agnews
 
@@ -72,14 +74,69 @@ def test_clean_text() -> None:
 
 @pytest.mark.parametrize(
     ("row", "match"),
-    [('"5","t","d"\n', "not in 1..4"), ('"x","t","d"\n', "not in 1..4"), ('"1","t"\n', "expected 3 fields")],
+    [
+        ('"5","t","d"\n', "class '5' is not in 1..4"),
+        ('"x","t","d"\n', "class 'x' is not in 1..4"),
+        ('"1","t"\n', "expected 3 fields (class, title, description), got 2"),
+        ('"1","t","d","e"\n', "expected 3 fields (class, title, description), got 4"),
+        ('"2","",""\n', "empty text"),
+        ('"2","a "quoted" word","d"\n', "malformed CSV"),
+        ('"2","Title","a description cut off in the mid', "ends inside a quoted field (an unterminated quote)"),
+        ('"2","Title","a description"', "the last row does not end with a line break"),
+        ('2,Title,a descr', "the last row does not end with a line break"),
+    ],
 )
-def test_malformed_rows(tmp_path: Path, row: str, match: str) -> None:
-    _write(tmp_path / "ag_news_csv" / "train.csv", '"1","ok","fine"\n' + row)
-    _write(tmp_path / "ag_news_csv" / "test.csv", '"1","ok","fine"\n')
-    with pytest.raises(ValueError, match=match) as info:
+@pytest.mark.parametrize("split", ["train.csv", "test.csv"])
+def test_malformed_rows(tmp_path: Path, row: str, match: str, split: str) -> None:
+    """A damaged file (a bad row, or cut off as by an interrupted download) is an error naming
+    the file, the line and the fix, never a dataset of the rows that survived."""
+    for name in ("train.csv", "test.csv"):
+        _write(tmp_path / "ag_news_csv" / name, '"1","ok","fine"\n' + (row if name == split else ""))
+    with pytest.raises(DataFormatError) as info:
         agnews.load({}, tmp_path)
-    assert "train.csv:2" in str(info.value)
+    msg = str(info.value)
+    assert msg.startswith(f"{tmp_path / 'ag_news_csv' / split}:2: ") and match in msg
+    assert f"download the original release again from {agnews.SOURCE_URL}" in msg
+    assert f"put train.csv and test.csv in {tmp_path / 'ag_news_csv'}" in msg
+    assert isinstance(info.value, ValueError)  # `python -m fedfew.train` prints it and exits 2
+
+
+@pytest.mark.parametrize(("content", "match"), [(b"", "no rows"), ('"1","t","caf\u00e9"\n'.encode()[:-3], "not UTF-8")])
+def test_empty_or_not_text(tmp_path: Path, content: bytes, match: str) -> None:
+    path = tmp_path / "test.csv"
+    path.write_bytes(content)
+    with pytest.raises(DataFormatError, match=match) as info:
+        agnews.read_split(path)
+    assert str(info.value).startswith(f"{path}")
+
+
+@pytest.mark.realdata("ag_news_csv/test.csv")
+def test_real_test_csv_cut_off_anywhere_is_an_error(tmp_path: Path, real_data_dir: Path) -> None:
+    """The real test.csv cut as an interrupted download cuts it: inside a text, just after a
+    field's closing quote, after a comma, before the final line break (the file is ASCII: the
+    cut inside a multi-byte character is test_empty_or_not_text's)."""
+    full = (real_data_dir / "ag_news_csv" / "test.csv").read_bytes()
+    middle = len(full) // 2
+    cuts = {
+        "inside a quoted field": middle,
+        "after a closing quote": full.index(b'",', middle) + 1,
+        "after a comma": full.index(b'",', middle) + 2,
+        "before the last line break": len(full) - 1,
+    }
+    for where, cut in cuts.items():
+        path = tmp_path / "test.csv"
+        path.write_bytes(full[:cut])
+        with pytest.raises(DataFormatError) as info:
+            agnews.read_split(path)
+        assert str(info.value).startswith(str(path)), where
+    path.write_bytes(full)
+    assert len(agnews.read_split(path)[0]) == agnews.TEST_ROWS
+
+
+def test_short_test_csv_is_a_warning(tiny_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="fedfew.data.datasets.agnews"):
+        agnews.load({}, tiny_dir)
+    assert f"{tiny_dir / 'ag_news_csv' / 'test.csv'} has 2 rows, the original release 7600" in caplog.text
 
 
 def _isolate_hf_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -147,10 +204,12 @@ def test_config_file() -> None:
 
 
 @pytest.mark.realdata(*AGNEWS_FILES)
-def test_real_agnews(real_data_dir: Path) -> None:
+def test_real_agnews(real_data_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     cfg = OmegaConf.load(CONF)
     start = time.monotonic()
-    ds = DATASETS.get("agnews")(cfg, real_data_dir)
+    with caplog.at_level(logging.WARNING, logger="fedfew.data.datasets.agnews"):
+        ds = DATASETS.get("agnews")(cfg, real_data_dir)
+    assert not caplog.records  # the full test.csv, and a train.csv subset is no warning
     assert time.monotonic() - start < 2.0  # 9,600 rows; about 0.06 s in practice
     assert len(ds) == 2000 + 7600 and len(ds.texts) == 9600
     assert int(ds.official_test.sum()) == 7600

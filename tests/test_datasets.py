@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from conftest import compose_config, real_data_dir
-from fedfew.data.base import DataNotFoundError
+from fedfew.data.base import DataFormatError, DataNotFoundError
 from fedfew.data.cache import TensorCache, cache_key, files_identity
 from fedfew.data.datasets import DATASETS
 from fedfew.data.federated import StreamedData, build_federated_data, encode_texts_cached, to_device
@@ -356,8 +356,60 @@ def test_femnist_bad_files_and_missing(tmp_path):
     assert f"{tmp_path}/femnist/train/*.json" in str(err.value) and "LEAF" in str(err.value)
     _leaf(tmp_path / "femnist" / "train" / "a.json", {"w1": ([[0.0] * 10], [0])})
     _leaf(tmp_path / "femnist" / "test" / "a.json", {"w1": ([[0.0] * 784], [0])})
-    with pytest.raises(ValueError, match=r"a.json: writer 'w1' has x of shape \(1, 10\)"):
+    with pytest.raises(DataFormatError, match=r"a.json: user 'w1': x has shape \(1, 10\)"):
         DATASETS.get("femnist")(_cfg(channels=1), tmp_path)
+
+
+def _damage_leaf(path: Path, how: str) -> str:
+    """Damage the LEAF file ``path`` (users w1 and w2) in one way; returns the user it names."""
+    text = path.read_text()
+    blob = json.loads(text)
+    if how == "truncated":
+        path.write_text(text[: len(text) // 2])
+        return ""
+    if how == "listed, no data":
+        del blob["user_data"]["w2"]
+    elif how == "data, not listed":
+        blob["users"].remove("w2")
+        blob["num_samples"].pop()
+    elif how == "listed twice":
+        blob["users"].append("w2")
+        blob["num_samples"].append(1)
+    elif how == "num_samples per user":
+        blob["num_samples"] = [2, 5]
+    elif how == "num_samples length":
+        blob["num_samples"] = [2]
+    elif how == "x and y lengths":
+        blob["user_data"]["w2"]["y"].append(0)
+        blob["num_samples"] = [2, 2]
+    path.write_text(json.dumps(blob))
+    return "" if how == "num_samples length" else "w2"
+
+
+@pytest.mark.parametrize(("how", "match"), [
+    ("truncated", "not valid JSON at line 1 column"),
+    ("listed, no data", "listed in `users` but has no entry in `user_data`"),
+    ("data, not listed", "has an entry in `user_data` but is not listed in `users`"),
+    ("listed twice", "listed twice in `users`"),
+    ("num_samples per user", "`num_samples` says 5 samples but x and y have 1"),
+    ("num_samples length", "`num_samples` should hold one count per user (2 users), got [2]"),
+    ("x and y lengths", "x has 1 samples but y has 2 labels"),
+])
+def test_femnist_damaged_leaf_file_names_file_and_user(tmp_path, how, match):
+    """A damaged LEAF file stops the data building (before any training) with an error naming
+    the file and the user; the same files undamaged load."""
+    px = [0.5] * 784
+    for split in ("train", "test"):
+        _leaf(tmp_path / "femnist" / split / "a.json", {"w1": ([px, px], [1, 2]), "w2": ([px], [3])})
+    cfg = compose_config("dataset=femnist", f"data_dir={tmp_path}", "dataset.cache=false")
+    assert build_federated_data(cfg).num_clients == 2
+    damaged = tmp_path / "femnist" / "test" / "a.json"
+    user = _damage_leaf(damaged, how)
+    with pytest.raises(DataFormatError) as err:
+        build_federated_data(cfg)
+    msg = str(err.value)
+    assert msg.startswith(f"{damaged}: user '{user}': " if user else f"{damaged}: ") and match in msg, msg
+    assert f"put it in {damaged.parent}" in msg and "LEAF" in msg
 
 
 # --------------------------------------------------------------------------- Kvasir / ImageFolder (generated)

@@ -107,6 +107,23 @@ def test_agnews_without_data_fails_fast_and_cleanly(tmp_path):
     assert not run_dir.exists()  # no half-written run directory
 
 
+def test_agnews_cut_off_csv_stops_before_training(tmp_path):
+    """A test.csv cut inside a quoted field (an interrupted download) used to train on the rows
+    that survived and exit 0; now the run stops while loading, names the file and line, and
+    leaves no run folder (no metrics.csv)."""
+    run_dir = tmp_path / "run"
+    csv_dir = tmp_path / "data" / "ag_news_csv"
+    csv_dir.mkdir(parents=True)
+    (csv_dir / "train.csv").write_text("".join(f'"{1 + i % 4}","title {i}","text {i}"\n' for i in range(40)))
+    (csv_dir / "test.csv").write_text('"1","a title","a text"\n"3","Wall St. Bears","Reuters - Short-sel')
+    proc = train("dataset=agnews", f"data_dir={tmp_path / 'data'}", "num_clients=4", "trainer.threads=1",
+                 f"hydra.run.dir={run_dir}", "logger=none", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    said = f"error: {csv_dir / 'test.csv'}:2: the file ends inside a quoted field (an unterminated quote)"
+    assert said in proc.stderr
+    assert not (run_dir / "metrics.csv").exists() and not run_dir.exists()
+
+
 @pytest.mark.slow
 @pytest.mark.realdata("ag_news_csv/train.csv", "ag_news_csv/test.csv")
 def test_agnews_real_data_short_run(tmp_path, real_data_dir):

@@ -18,7 +18,9 @@ CLI::
     # and submit it with ``sbatch --parsable``; the job id is printed on stdout, and the run
     # folder, the log file and the command to follow it on stderr.
     # add --check to run ``<python> -m fedfew.check <the job's overrides>`` first (the checks
-    # ``python -m fedfew.train`` makes before loading data): a bad config is never submitted.
+    # ``python -m fedfew.train`` makes before loading data, and that the dataset's files are
+    # there): a bad config or a missing data path is never submitted. --data-on-nodes skips the
+    # files check, for data that exists only on the compute nodes (or that the job downloads).
 
 Placeholders filled in the template: job_name, nodes, ntasks_per_node, gpu_line (the
 ``#SBATCH --gpus-per-node`` line, dropped entirely when gpus_per_node == 0), cpus_per_task,
@@ -249,14 +251,17 @@ def job_overrides(overrides: list[str], nodes: Any, ntasks_per_node: Any) -> lis
     return [*overrides, f"trainer.num_nodes={nodes}", f"trainer.devices={ntasks_per_node}"]
 
 
-def check_config(python: str, overrides: list[str], workdir: str | os.PathLike = ".") -> tuple[bool, str]:
-    """Run ``python -m fedfew.check <overrides>`` in ``workdir`` (no data loaded, no job made).
+def check_config(python: str, overrides: list[str], workdir: str | os.PathLike = ".",
+                 data_on_nodes: bool = False) -> tuple[bool, str]:
+    """Run ``python -m fedfew.check <overrides>`` in ``workdir`` (no data loaded, no job made; the
+    dataset's files are looked up unless ``data_on_nodes``).
 
     Returns:
         (ok, what it printed: its ``config ok: ...`` line, or its error).
     """
+    flags = ["--data-on-nodes"] if data_on_nodes else []
     try:
-        proc = subprocess.run([python, "-m", "fedfew.check", *overrides], capture_output=True, text=True,
+        proc = subprocess.run([python, "-m", "fedfew.check", *flags, *overrides], capture_output=True, text=True,
                               cwd=workdir, timeout=300)
     except FileNotFoundError as exc:
         return False, f"cannot run {python}: {exc}"
@@ -297,7 +302,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--script", default=None, help="with --submit: where to write the script (default: temp file)")
     p.add_argument("--check", action="store_true",
                    help="with --submit: first run `PYTHON -m fedfew.check` on the job's overrides (as `make train` "
-                   "checks before loading data); a failing check submits nothing (exit 2)")
+                   "checks before loading data, and that the dataset's files are there); a failing check "
+                   "submits nothing (exit 2)")
+    p.add_argument("--data-on-nodes", action="store_true",
+                   help="with --check: do not look for the dataset's files here (they exist only on the compute "
+                   "nodes, or the job downloads them)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides (after --)")
     return p
 
@@ -330,9 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(text)
         return 0
     if ns.check:
-        ok, said = check_config(ns.python, job_overrides(ns.overrides, ns.nodes, ns.ntasks_per_node), ns.workdir)
+        ok, said = check_config(ns.python, job_overrides(ns.overrides, ns.nodes, ns.ntasks_per_node), ns.workdir,
+                                ns.data_on_nodes)
         if not ok:
-            print(f"{said}\nrender.py: nothing submitted: the run config failed the check "
+            print(f"{said}\nrender.py: nothing submitted: the run config or its data failed the check "
                   f"(`{ns.python} -m fedfew.check ...`, the checks of `make train`)", file=sys.stderr)
             return 2
         print(said, file=sys.stderr, flush=True)

@@ -22,6 +22,16 @@ class DataNotFoundError(FileNotFoundError):
     """
 
 
+class DataFormatError(ValueError):
+    """A dataset file is there but malformed: cut off (an interrupted download or copy), a row
+    with the wrong number of fields, a label out of range, records that disagree...
+
+    Raised while the files are read, before any training. The message names the file and the
+    row (``<file>:<line>: ...``) or record (``<file>: user '<id>': ...``), says what is wrong and
+    where to get a good copy.
+    """
+
+
 @dataclass
 class PooledDataset:
     """Every sample of one dataset, before partitioning.

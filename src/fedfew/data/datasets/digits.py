@@ -10,6 +10,11 @@ from fedfew.data.base import PooledDataset
 from fedfew.data.datasets import DATASETS
 
 
+def find_files(cfg, data_dir: Path) -> list[Path]:
+    """No files: the data ships with scikit-learn (so ``python -m fedfew.check`` asks for none)."""
+    return []
+
+
 @DATASETS.register("digits")
 def load(cfg, data_dir: Path) -> PooledDataset:
     """All 1,797 digits as (N, 64) float32 in [0, 1] (pixel / 16, row-major 8x8 images) with

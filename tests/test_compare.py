@@ -387,6 +387,82 @@ def test_small_comparison_writes_the_table_and_resumes(tmp_path, capsys):
     assert kept.stat().st_mtime_ns == stamp
 
 
+def write_agnews(folder, relabel: bool = False):
+    """A tiny AG News in the release's format in ``<folder>/ag_news_csv`` (4 classes, 20 train and
+    5 test rows each, the same every time); ``relabel``: the first train row's class is 2, not 1."""
+    import random
+
+    words = [["war", "peace", "nation", "leader"], ["game", "team", "score", "coach"],
+             ["market", "stock", "profit", "bank"], ["chip", "software", "science", "space"]]
+    rng = random.Random(0)
+    (folder / "ag_news_csv").mkdir(parents=True)
+    for name, n in (("train.csv", 20), ("test.csv", 5)):
+        with (folder / "ag_news_csv" / name).open("w", newline="") as fh:
+            writer = csv.writer(fh, quoting=csv.QUOTE_ALL)
+            for i in range(n):
+                for c in range(4):
+                    label = 2 if relabel and name == "train.csv" and i == 0 and c == 0 else c + 1
+                    writer.writerow([label, f"{rng.choice(words[c])} {i}", " ".join(rng.choice(words[c]) for _ in range(8))])
+
+
+@pytest.mark.slow
+def test_a_run_is_reused_from_another_data_folder_with_the_same_data_and_refused_on_other_data(tmp_path, capsys):
+    """Where the data lies is no part of a run's identity, what it holds is: a run made with
+    data_dir=A is reused by a comparison with data_dir=B holding a copy of A (B's path recorded
+    nowhere in compare.md), and refused, naming both fingerprints, with data_dir=C where one label
+    differs; also from its checkpoint alone, and, for a run recorded before the fingerprint was
+    (its partition hash only), in the same way."""
+    import shutil
+
+    from fedfew.data import fingerprint
+
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    write_agnews(a)
+    shutil.copytree(a, b)
+    write_agnews(c, relabel=True)
+    out = tmp_path / "cmp"
+
+    def argv(data):
+        return ["--dataset", "agnews", "--algorithms", "fedavg", "--seeds", "0", "--out", str(out), "--",
+                f"data_dir={data}", "num_clients=2", "rounds=1", "logger=none", "trainer.threads=1",
+                "checkpoint_every=1"]   # set by the user: the checkpoint is kept
+
+    assert compare.main(argv(a)) == 0
+    run = out / "fedavg" / "seed0"
+    made = json.loads((run / "results.json").read_text())
+    stamp = (run / "results.json").stat().st_mtime_ns
+    ours, theirs = fingerprint.DataCheck(b).fingerprint(made["config"]), fingerprint.DataCheck(c).fingerprint(made["config"])
+    assert made["data_fingerprint"] == ours and len(ours) == 64 and theirs != ours
+    assert made["config"]["data_dir"] == str(a)              # kept as provenance; it decides nothing
+    capsys.readouterr()
+
+    assert compare.main(argv(b)) == 0                          # a copy elsewhere: reused, nothing trained
+    assert "reusing 1 finished run(s): fedavg/seed0" in capsys.readouterr().out
+    assert (run / "results.json").stat().st_mtime_ns == stamp
+    md = (out / "compare.md").read_text()
+    assert "-- 'data_dir=<data_dir>' num_clients=2" in md and f"data_dir={b}" not in md
+    assert "tuned preset conf/tuned/agnews_fedavg.yaml" in md and str(compare.Path(tune.TUNED_DIR)) not in md
+    assert next(csv.DictReader((out / "compare.csv").open()))["preset"] == "conf/tuned/agnews_fedavg.yaml"
+
+    with pytest.raises(CompareError, match=rf"results.json was made from other data than this comparison reads "
+                                           rf"\(data fingerprint {ours[:12]} recorded, {theirs[:12]} in {c}\)"):
+        compare.main(argv(c))
+    (run / "results.json").unlink()                            # its checkpoint (round 1) records the data too
+    with pytest.raises(CompareError, match=rf"the checkpoint in .* was made from other data .*{ours[:12]} recorded"):
+        compare.main(argv(c))
+
+    # a run recorded before data_fingerprint was: its partition hash, recomputed on the new data, decides
+    shutil.rmtree(run / "checkpoints")
+    older = {k: v for k, v in made.items() if k != "data_fingerprint"}
+    (run / "results.json").write_text(json.dumps(older))
+    assert compare.main(argv(b)) == 0 and json.loads((run / "results.json").read_text()) == older
+    with pytest.raises(CompareError, match=rf"partition hash {made['partition_hash'][:12]} recorded \(no data "
+                                           rf"fingerprint.*\), [0-9a-f]{{12}} on the data in {c}"):
+        compare.main(argv(c))
+    with pytest.raises(CompareError, match=f"cannot tell whether .* DataNotFoundError: AG News not found"):
+        compare.main(argv(tmp_path / "nowhere"))
+
+
 def test_run_paths_and_overrides(tmp_path):
     run = Run("ifca", 2, tmp_path, ("rounds=3", "hydra.job.chdir=false"), "agnews")
     assert run.dir == tmp_path / "ifca" / "seed2"

@@ -50,10 +50,30 @@ def test_setup_folders_keep_setups_apart_and_ignore_what_does_not_change_results
     a, b = (runs.setup_folder("compare", "digits", [*long, f"optim.lr={lr}"]) for lr in (0.1, 0.2))
     assert a != b and "_+" in a.name and a.name.split("-")[:-1] == b.name.split("-")[:-1]
     assert a == runs.setup_folder("compare", "digits", [*long, "optim.lr=0.1", "trainer.threads=1"])
-    # what two runs must share to be the same experiment: not threads, logging or the run folder
+    # what two runs must share to be the same experiment: not threads, logging, the run folder or where
+    # the data lies (its content is compared instead: fedfew.data.fingerprint)
     assert runs.result_overrides(["algorithm.K=5", "trainer.threads=1", "logger=none", "+logger.tags=[a]",
-                                  "hydra.run.dir=/x", "checkpoint_every=5", "data_dir=/d", "seed=1"]) == [
-        "algorithm.K=5", "data_dir=/d", "seed=1"]
+                                  "hydra.run.dir=/x", "checkpoint_every=5", "data_dir=/d", "+data_dir=/e",
+                                  "seed=1"]) == ["algorithm.K=5", "seed=1"]
+
+
+def test_committed_text_names_no_absolute_path_of_the_machine(tmp_path):
+    """Preset headers and compare.md record data_dir as <data_dir>, paths inside the checkout
+    relative to it (through its symlinks: src/fedfew/conf is conf) and a folder outside it by its
+    name only."""
+    inside = runs.CHECKOUT / "src" / "fedfew" / "conf" / "tuned" / "agnews_fedfew.yaml"
+    assert runs.portable_path(inside) == "conf/tuned/agnews_fedfew.yaml"
+    assert runs.portable_path("results/agnews/compare") == "results/agnews/compare"
+    assert runs.portable_path(tmp_path / "presets") == "<elsewhere>/presets" and runs.portable_path("/") == "<elsewhere>"
+    assert runs.portable_overrides(["data_dir=/work/shared/data", "+data_dir=/x", "trainer.threads=1",
+                                    f"hydra.run.dir={runs.CHECKOUT}/outputs/a"]) == [
+        "data_dir=<data_dir>", "+data_dir=<data_dir>", "trainer.threads=1", "hydra.run.dir=outputs/a"]
+    command = (f"python -m fedfew.compare --out {runs.CHECKOUT}/results/agnews/compare --presets {tmp_path}/t/presets "
+               "--jobs 2 -- data_dir=/work/shared/data trainer.threads=1 'eval.also=[finetune]'")
+    assert runs.portable_command(command) == (
+        "python -m fedfew.compare --out results/agnews/compare --presets '<elsewhere>/presets' --jobs 2 -- "
+        "'data_dir=<data_dir>' trainer.threads=1 'eval.also=[finetune]'")
+    assert runs.portable_command(["python", "-m", "x", "data_dir=/d"]) == "python -m x 'data_dir=<data_dir>'"
 
 
 def test_where_lines_name_the_folder_notebook_and_plots(tmp_path, monkeypatch):

@@ -13,9 +13,13 @@ as explicit overrides, so a changed preset is never mistaken for a finished run.
 overrides (after ``--``) go to every run and win over the presets. The partition is derived
 from the seed alone, and its hash is checked to be the same for every algorithm of a seed. A run
 whose ``results.json`` exists is reused, so an interrupted comparison resumes where it stopped;
-reusing results produced with different overrides is refused (a thread count or logger does not
-count: :func:`fedfew.runs.result_overrides`). A run that was cut short continues from its last
-checkpoint (every 5 rounds, :mod:`fedfew.launch`). User guide: docs/compare.md.
+reusing results produced with different overrides is refused (a thread count, logger or
+``data_dir`` does not count: :func:`fedfew.runs.result_overrides`), and so is reusing results made
+from other data: the data in the runs' ``data_dir`` must have the fingerprint the results record
+(:mod:`fedfew.data.fingerprint`), so committed runs are reused from a clone anywhere with the data
+anywhere. A run that was cut short continues from its last checkpoint (every 5 rounds,
+:mod:`fedfew.launch`). User guide: docs/compare.md. compare.md and compare.csv name presets
+relative to the repository and the data folder as ``<data_dir>`` (:func:`fedfew.runs.portable_path`).
 
 An override for one method's own key (``algorithm.K=5``) fails for the algorithms without that
 key; ``++algorithm.K=5`` adds it where missing (ignored there), or compare that method apart.
@@ -44,7 +48,6 @@ import csv
 import io
 import json
 import math
-import shlex
 import sys
 import threading
 import time
@@ -58,7 +61,7 @@ from fedfew.io import atomic_write_text
 from fedfew.launch import (FAILED_RESULTS, Busy, check_not_training, exclusive, launch, outcome, progress,
                            recorded_overrides, refused_checkpoint, tidy)
 from fedfew.partition_report import partition_scheme
-from fedfew.runs import diverged_clients
+from fedfew.runs import data_mismatch, diverged_clients, portable_command, portable_path
 
 MAJORITY = "majority label"
 """Name of the reference row: every client predicts the most frequent label of its train split."""
@@ -96,6 +99,9 @@ class Run:
     Attributes:
         preset: the method's preset as overrides (``~tuned`` and its values), before ``extra``.
         preset_source: where the preset came from (a path, or "" for none).
+        data_dir: the data folder the run reads (its config's ``data_dir``), against whose content
+            a run folder found finished or checkpointed is checked before it is reused
+            (:func:`check_reusable`); "" skips that check.
     """
 
     algorithm: str
@@ -105,6 +111,7 @@ class Run:
     dataset: str = "digits"
     preset: tuple[str, ...] = ()
     preset_source: str = ""
+    data_dir: str = ""
 
     @property
     def dir(self) -> Path:
@@ -189,23 +196,42 @@ def setup_mismatch(rows: Sequence[dict[str, Any]], config: dict[str, Any]) -> st
 def check_reusable(run: Run) -> str:
     """How far ``run`` got (:func:`fedfew.launch.progress`: ``done``, ``checkpoint`` or ``none``).
 
+    A run folder is this run's when it was made with the same overrides, up to those that do not
+    change results (:func:`fedfew.runs.result_overrides`: another thread count, e.g. JOBS=1 after
+    JOBS=2, or another ``data_dir``), and from the same data: the data in ``run.data_dir`` has the
+    fingerprint its results or checkpoint record (:func:`fedfew.runs.data_mismatch`; for a run
+    recorded before the fingerprint, the same partition hash). So runs made in another folder or
+    on another machine, the data elsewhere, are reused.
+
     Raises:
-        CompareError: its results or checkpoint come from different overrides (those that change
-            results: another thread count, e.g. JOBS=1 after JOBS=2, does not count,
-            :func:`fedfew.runs.result_overrides`).
+        CompareError: its results or checkpoint come from different overrides, or from other data
+            (the message names both fingerprints or partition hashes), or the data in
+            ``run.data_dir`` cannot be read to tell.
         Busy: a live process still trains it (:func:`fedfew.launch.check_not_training`).
     """
     from fedfew.runs import result_overrides
 
     check_not_training(run.dir)
     state = progress(run.dir, run.task_overrides())
+    what = run.results_path if run.results_path.exists() else f"the checkpoint in {run.dir}"
     if state == "stale":
-        what = run.results_path if run.results_path.exists() else f"the checkpoint in {run.dir}"
         raise CompareError(
             f"{what} was produced with overrides {result_overrides(recorded_overrides(run.dir) or [])}, this "
             f"comparison asks for {result_overrides(run.task_overrides())}; use another --out (COMPARE_OUT=...) "
             f"or delete {run.dir}"
         )
+    if state != "none" and run.data_dir:
+        try:
+            why = data_mismatch(run.dir, run.data_dir)
+        except (OSError, ValueError) as err:  # DataNotFoundError, a malformed file, a partition that fails
+            raise CompareError(f"cannot tell whether {what} was made from the data this comparison reads: "
+                               f"{type(err).__name__}: {err}") from err
+        if why:
+            raise CompareError(
+                f"{what} was made from other data than this comparison reads ({why}); a run is reused on the "
+                f"same data only, wherever that lies: point data_dir at the data it was made from, use another "
+                f"--out (COMPARE_OUT=...) or delete {run.dir}"
+            )
     return state
 
 
@@ -587,7 +613,8 @@ def to_csv(rows: Sequence[dict[str, Any]]) -> str:
     writer = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore")
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: _fmt(row.get(k), 6) for k in CSV_FIELDS})
+        writer.writerow({k: _fmt(portable_path(row[k]) if k == "preset" and row.get(k) else row.get(k), 6)
+                         for k in CSV_FIELDS})
     return buf.getvalue()
 
 
@@ -725,7 +752,7 @@ def describe(rows: Sequence[dict[str, Any]], results: dict[tuple[str, int], dict
             continue
         source = r.get("preset") or ""
         score = preset_score(source)
-        where = (f"tuned preset {source}" + (f", best validation acc {score}" if score else "")
+        where = (f"tuned preset {portable_path(source)}" + (f", best validation acc {score}" if score else "")
                  if source else "no preset: config defaults")
         differs.append(f"{r['algorithm']}: lr {r.get('lr')}; {r.get('hyperparameters') or '(no own keys)'} ({where})")
     mismatch = setup_mismatch(rows, cfg) if cfg else None
@@ -871,6 +898,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     algorithms = args.algorithms or default_algorithms()
+    from fedfew.data.fingerprint import forget_data
+
+    forget_data()  # the data is read afresh by each comparison (check_reusable)
     from fedfew.algorithms import ALGORITHMS
     from fedfew.runs import older_setup_note
     from fedfew.tune import LEFT_OUT, RUN_KEYS, TuneError, check_extra_keys, runnable_algorithms
@@ -914,8 +944,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _echo(LEFT_OUT + "; ".join(left_out))
     algorithms = list(configs)
     reference = args.reference if args.reference in algorithms else algorithms[0]
-    runs = [Run(alg, seed, out, tuple(args.extra), args.dataset, *presets[alg]) for seed in args.seeds
-            for alg in algorithms]
+    runs = [Run(alg, seed, out, tuple(args.extra), args.dataset, *presets[alg], str(configs[alg].data_dir))
+            for seed in args.seeds for alg in algorithms]
     with exclusive(out, "make compare"):  # one tool at a time writes into out
         start = time.perf_counter()
         status = run_all(runs, jobs=args.jobs)
@@ -934,14 +964,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if left_out:
                 notes.append("left out (they cannot run on this setup): " + "; ".join(left_out))
             if failed:
-                warnings.append(f"failed runs (left out; logs in {out / 'logs'}): {', '.join(failed)}")
+                warnings.append(f"failed runs (left out; logs in {portable_path(out / 'logs')}): {', '.join(failed)}")
             if stopped:
                 warnings.append(f"runs stopped by a signal (left out; run the same command again to continue them "
                                 f"from their checkpoints): {', '.join(stopped)}")
             if protocol is not None:
                 notes.append(f"the same runs as compare.md, scored under protocol {protocol} at the same evaluations "
                              f"(eval.also; a run trains the same under every protocol)")
-            notes.append(f"command: `python -m fedfew.compare {' '.join(shlex.quote(a) for a in argv)}`; this "
+            notes.append(f"command: `{portable_command(['python', '-m', 'fedfew.compare', *argv])}`; this "
                          f"invocation took {elapsed / 60:.1f} min with {args.jobs} job(s) ({trained} run(s) trained); "
                          f"the {len(results)} runs' round loops took {run_wall / 60:.1f} min in total")
             suffix = "" if protocol is None else f"_{protocol}"

@@ -11,6 +11,13 @@ the folder can be pasted back as ``hydra.run.dir=...``. Overrides that do not ch
 are left out (:data:`EXCLUDED`: dataset and algorithm are in the path already; data_dir,
 trainer.threads, logger, resume, checkpointing).
 
+**Identity.** Two runs are the same experiment when their overrides match up to
+:data:`RESULT_NEUTRAL` (:func:`result_overrides`; ``data_dir`` is one: where the data lies is no
+part of what a run computes) and they read the same data, compared by content
+(:func:`data_mismatch`, :mod:`fedfew.data.fingerprint`). Text meant to be committed (preset
+headers, compare.md) names no absolute path of a machine: :func:`portable_overrides`,
+:func:`portable_command`.
+
 **Listing.** ``python -m fedfew.runs [ROOT ...]`` (``make runs``) prints one row per run found
 under ROOT (default ``$FEDFEW_OUTPUT_DIR``, else ``outputs`` and ``multirun``), newest first,
 with the headline figures of its ``results.json``; a run without one is ``running`` while the
@@ -56,20 +63,130 @@ def _excluded(key: str, excluded: Iterable[str] = EXCLUDED) -> bool:
     return any(key == e or (e.endswith(".") and key.startswith(e)) for e in excluded)
 
 
-#: overrides that change how a run is done, not its figures beyond float rounding (threads, logging,
-#: checkpoints, the run folder): a comparison reuses, and a tune resumes, across them (make compare
-#: and make tune set trainer.threads=1 with JOBS > 1 only)
-RESULT_NEUTRAL = tuple(e for e in EXCLUDED if e not in ("dataset", "algorithm", "data_dir"))
+#: keys whose value is a place on one machine, not what a run computes: ``data_dir`` is where the
+#: data lies; what it holds is compared by content instead (:mod:`fedfew.data.fingerprint`). Text
+#: meant to be committed shows them as ``<key>`` (:func:`portable_overrides`).
+PATH_KEYS = ("data_dir",)
+
+#: overrides that change how or where a run is done, not its figures beyond float rounding
+#: (threads, logging, checkpoints, the run folder, :data:`PATH_KEYS`): a comparison reuses, and a
+#: tune resumes, across them (make compare and make tune set trainer.threads=1 with JOBS > 1 only;
+#: a run copied with the repository, or read from another data folder, is the same run as long as
+#: its data's fingerprint is the same, :func:`data_mismatch`)
+RESULT_NEUTRAL = tuple(e for e in EXCLUDED if e not in ("dataset", "algorithm"))
 
 
 def result_overrides(overrides: Iterable[str]) -> list[str]:
-    """``overrides`` without the :data:`RESULT_NEUTRAL` ones, in order: what two runs must share
-    to count as the same experiment.
+    """``overrides`` without the :data:`RESULT_NEUTRAL` ones, in order: what two runs must share,
+    besides their data (:mod:`fedfew.data.fingerprint`), to count as the same experiment.
 
     >>> result_overrides(["algorithm.K=5", "trainer.threads=1", "logger=none", "data_dir=/d"])
-    ['algorithm.K=5', 'data_dir=/d']
+    ['algorithm.K=5']
     """
     return [o for o in map(str, overrides) if not _excluded(o.split("=", 1)[0].lstrip("+~"), RESULT_NEUTRAL)]
+
+
+#: how :func:`portable_path` shows the folder of an absolute path outside the checkout
+ELSEWHERE = "<elsewhere>"
+
+
+def portable_path(path: str | Path) -> str:
+    """``path`` as text meant to be committed shows it: relative to the checkout (:data:`CHECKOUT`)
+    when it lies inside it (symlinks resolved first, so ``src/fedfew/conf/tuned/x.yaml`` shows as
+    ``conf/tuned/x.yaml``); an absolute path outside it as ``<elsewhere>/<its name>`` (it names
+    a folder of one machine); a relative path as given.
+
+    >>> portable_path(CHECKOUT / "results" / "agnews"), portable_path("/work/notes/tune2")
+    ('results/agnews', '<elsewhere>/tune2')
+    """
+    path = Path(path)
+    if not path.is_absolute():
+        return str(path)
+    for candidate in (path.resolve(), path):
+        try:
+            return str(candidate.relative_to(CHECKOUT))
+        except ValueError:
+            continue
+    return f"{ELSEWHERE}/{path.name}" if path.name else ELSEWHERE
+
+
+def _portable_token(token: str) -> str:
+    key, eq, value = token.partition("=")
+    name = key.lstrip("+~")
+    if eq and name in PATH_KEYS:
+        return f"{key}=<{name}>"
+    if eq and value.startswith("/"):
+        return f"{key}={portable_path(value)}"
+    return portable_path(token) if token.startswith("/") else token
+
+
+def portable_overrides(overrides: Iterable[str]) -> list[str]:
+    """``overrides`` as committed text (a preset's header, compare.md) records them: a
+    :data:`PATH_KEYS` value as ``<key>`` (``data_dir=<data_dir>``: the data is identified by its
+    fingerprint, not its folder) and any other absolute path as :func:`portable_path` shows it
+    (relative to the checkout, or ``<elsewhere>/<name>``); the rest as given.
+
+    >>> portable_overrides(["data_dir=/work/shared/data", "trainer.threads=1"])
+    ['data_dir=<data_dir>', 'trainer.threads=1']
+    """
+    return [_portable_token(str(o)) for o in overrides]
+
+
+def portable_command(argv: str | Iterable[str]) -> str:
+    """A command line (a string, split as a shell would, or its words) with
+    :func:`portable_overrides` applied to every word, quoted for a shell.
+
+    >>> portable_command("python -m fedfew.tune --out results/t -- data_dir=/data 'eval.also=[finetune]'")
+    "python -m fedfew.tune --out results/t -- 'data_dir=<data_dir>' 'eval.also=[finetune]'"
+    """
+    import shlex
+
+    words = shlex.split(argv) if isinstance(argv, str) else list(map(str, argv))
+    return " ".join(shlex.quote(w) for w in portable_overrides(words))
+
+
+def recorded_data(run_dir: str | Path) -> dict[str, Any] | None:
+    """What a run folder records of the data it read: its results.json, else its checkpoint's
+    state (each holds ``config``, ``partition_hash`` and, since it was recorded,
+    ``data_fingerprint``); None when it has neither, or they cannot be read."""
+    import pickle
+
+    from fedfew.checkpoint import checkpoint_path, load_checkpoint
+
+    run_dir = Path(run_dir)
+    try:
+        if (run_dir / "results.json").exists():
+            return json.loads((run_dir / "results.json").read_text())
+        if checkpoint_path(run_dir).is_file():
+            state = load_checkpoint(checkpoint_path(run_dir))
+            return {k: state.get(k) for k in ("config", "partition_hash", "data_fingerprint")}
+    except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError):
+        return None
+    return None
+
+
+def data_mismatch(run_dir: str | Path, data_dir: str | Path) -> str | None:
+    """Why the results or checkpoint in ``run_dir`` were not made from the data in ``data_dir``,
+    or None when they were: their ``data_fingerprint`` against that of the data there (a run
+    recorded before the fingerprint: its ``partition_hash`` against the partition its config gets
+    on that data). The data is loaded once per process and dataset config
+    (:func:`fedfew.data.fingerprint.data_check`). Check the overrides first
+    (:func:`fedfew.launch.progress`: a folder of other overrides is stale whatever its data).
+
+    Returns:
+        e.g. ``"data fingerprint 0123456789ab recorded, 5a6b7c8d9e0f in /data"``, or
+        ``"unreadable results or checkpoint"``.
+    Raises:
+        fedfew.data.base.DataNotFoundError: the dataset's files are not in ``data_dir``.
+        ValueError: they cannot be read (a malformed file), or the run's partition cannot be made
+            on them (a run recorded before the fingerprint).
+    """
+    from fedfew.data.fingerprint import data_check
+
+    recorded = recorded_data(run_dir)
+    if recorded is None:
+        return "unreadable results or checkpoint"
+    return data_check(data_dir).mismatch(recorded)
 
 
 def _named(overrides: Iterable[str]) -> list[str]:

@@ -117,6 +117,8 @@ class FederatedData:
             sequence they contain), ``None`` for non-text data.
         vocab_size: vocabulary size for text data (``None`` otherwise).
         partition_hash: stable hash of the client index sets (same seed -> same hash).
+        data_fingerprint: sha256 of the loaded dataset's content, not its path
+            (:func:`fedfew.data.fingerprint.data_fingerprint`; "" when not computed).
         group_by_length: text only: :meth:`epoch_order` puts texts of similar length in the
             same batch (``dataset.group_by_length``), so batches carry less padding.
     """
@@ -128,6 +130,7 @@ class FederatedData:
     lengths: torch.Tensor | None = None
     vocab_size: int | None = None
     partition_hash: str = ""
+    data_fingerprint: str = ""
     name: str = ""
     group_by_length: bool = False
 

@@ -33,6 +33,7 @@ from omegaconf import DictConfig
 from fedfew.data.base import FederatedData, PooledDataset, resolve_data_dir
 from fedfew.data.cache import TensorCache, cache_key, files_identity
 from fedfew.data.datasets import DATASETS
+from fedfew.data.fingerprint import data_fingerprint
 from fedfew.data.groups import check_groups, make_groups
 from fedfew.data.images import ImageDataset, normalize
 from fedfew.data.partition import partition_clients, partition_hash
@@ -122,10 +123,51 @@ def _check_classes(cfg: DictConfig, pooled: PooledDataset) -> None:
         )
 
 
+def load_pooled(cfg: DictConfig) -> PooledDataset:
+    """``cfg.dataset`` as its loader returns it from ``cfg.data_dir`` (every sample, before
+    client groups and partitions).
+
+    Raises:
+        DataNotFoundError: the dataset's files are missing (message names path and setting).
+        ValueError: the files hold another number of classes than ``dataset.num_classes``, or
+            ``partition=clustered`` settings that cannot work (checked before the load).
+    """
+    loader = DATASETS.get(cfg.dataset.name)
+    if cfg.partition.name == "clustered":
+        check_groups(cfg.partition, cfg.num_clients)  # before the (possibly slow) load
+    pooled = loader(cfg.dataset, resolve_data_dir(cfg.data_dir))
+    _check_classes(cfg, pooled)
+    return pooled
+
+
+def split_clients(cfg: DictConfig, pooled: PooledDataset) -> tuple[PooledDataset, list]:
+    """The clients of ``cfg.partition`` on ``pooled`` (:func:`load_pooled`).
+
+    Returns:
+        (the pooled data the clients index: ``pooled`` itself, or with ``partition=clustered``
+        each group's transformed copy or share of it; the :class:`ClientSplit` of every client).
+    Raises:
+        PartitionError: the partition cannot satisfy its constraints.
+    """
+    groups = None if pooled.groups is None else pooled.groups.numpy()
+    if cfg.partition.name == "clustered":  # each group's transformed copy (or share) of the data
+        pooled, groups = make_groups(pooled, cfg.partition, int(cfg.num_clients), partition_seed(cfg))
+    clients = partition_clients(
+        pooled.targets.numpy(),
+        None if cfg.num_clients is None else int(cfg.num_clients),  # None: natural, every group
+        cfg.partition,
+        seed=partition_seed(cfg),
+        groups=groups,
+        official_test=None if pooled.official_test is None else pooled.official_test.numpy(),
+    )
+    return pooled, clients
+
+
 def build_federated_data(cfg: DictConfig) -> FederatedData:
-    """Load ``cfg.dataset`` from ``cfg.data_dir``, partition it over ``cfg.num_clients``
-    clients with ``cfg.partition``, and encode text with a vocabulary built from the clients'
-    train splits only.
+    """Load ``cfg.dataset`` from ``cfg.data_dir`` (:func:`load_pooled`; the content's
+    :func:`fedfew.data.fingerprint.data_fingerprint` is kept as ``data_fingerprint``), partition
+    it over ``cfg.num_clients`` clients with ``cfg.partition`` (:func:`split_clients`), and
+    encode text with a vocabulary built from the clients' train splits only.
 
     Returns:
         :class:`FederatedData` on the CPU (:class:`StreamedData` for images too large for
@@ -137,28 +179,14 @@ def build_federated_data(cfg: DictConfig) -> FederatedData:
     """
     start = time.perf_counter()
     data_dir = resolve_data_dir(cfg.data_dir)
-    loader = DATASETS.get(cfg.dataset.name)
-    if cfg.partition.name == "clustered":
-        check_groups(cfg.partition, cfg.num_clients)  # before the (possibly slow) load
-    pooled = loader(cfg.dataset, data_dir)
-    _check_classes(cfg, pooled)
-    groups = None if pooled.groups is None else pooled.groups.numpy()
-    if cfg.partition.name == "clustered":  # each group's transformed copy (or share) of the data
-        pooled, groups = make_groups(pooled, cfg.partition, int(cfg.num_clients), partition_seed(cfg))
+    pooled = load_pooled(cfg)
+    fingerprint = data_fingerprint(pooled)
     loaded = time.perf_counter()
-    targets = pooled.targets.numpy()
-    clients = partition_clients(
-        targets,
-        None if cfg.num_clients is None else int(cfg.num_clients),  # None: natural, every group
-        cfg.partition,
-        seed=partition_seed(cfg),
-        groups=groups,
-        official_test=None if pooled.official_test is None else pooled.official_test.numpy(),
-    )
+    pooled, clients = split_clients(cfg, pooled)
     if cfg.partition.name == "natural" and pooled.groups is not None:
         log.info("%s", natural_clients_line(pooled, clients, cfg))
     common = dict(targets=pooled.targets.long(), num_classes=pooled.num_classes, clients=clients,
-                  partition_hash=partition_hash(clients), name=pooled.name)
+                  partition_hash=partition_hash(clients), data_fingerprint=fingerprint, name=pooled.name)
     if pooled.texts is not None:
         train_index = np.concatenate([c.train for c in clients])
         inputs, lengths, vocab_size = encode_texts_cached(pooled, train_index, cfg.dataset, data_dir)

@@ -102,7 +102,7 @@ compare: $(STAMP)
 #   make tune DATASET=digits ALGORITHMS="fedfew fedavg fedrep" TRIALS=12 JOBS=2
 TRIALS ?= 12
 VAL_FRACTION ?= 0.2
-TUNE_SEEDS ?= 0
+TUNE_SEEDS ?= 0 1
 INSTALL ?= auto
 TUNE_OUT ?=
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import math
 import os
 
@@ -639,3 +640,20 @@ def test_eval_also_gives_a_second_table_from_the_same_runs(tmp_path, capsys):
     assert (out / "accuracy_rounds_finetune.png").stat().st_size > 0
     # a protocol only some runs were scored under makes no table
     assert compare.also_protocols({("a", 0): {"also": {"finetune": {}}}, ("b", 0): {}}) == []
+
+
+@pytest.mark.slow
+def test_a_diverged_run_is_reported_with_a_non_zero_exit_and_reused_as_such(tmp_path, capsys):
+    """optim.lr=1e8: fedfew's run stops early with exit code 3 (fedfew.nonfinite); the comparison
+    keeps it in the table, names it in a warning and exits 1; run again, it reuses it and says the same."""
+    out = tmp_path / "cmp"
+    argv = ["--dataset", "digits", "--algorithms", "fedfew", "--seeds", "0", "--out", str(out), "--",
+            "rounds=6", "num_clients=4", "partition.groups=2", "logger=none", "trainer.threads=1", "optim.lr=1e8"]
+    assert compare.main(argv) == 1
+    printed = capsys.readouterr().out
+    assert re.search(r"fedfew seed 0: DIVERGED, every client non-finite, stopped after round \d \(exit code 3\)", printed)
+    table = (out / "compare.md").read_text()
+    assert "**runs that diverged** (every client non-finite, stopped early with exit code 3" in table
+    assert "fedfew/seed0" in table
+    assert compare.main(argv) == 1                                       # reused, still reported
+    assert "reusing 1 finished run(s): fedfew/seed0" in capsys.readouterr().out

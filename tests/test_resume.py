@@ -86,16 +86,19 @@ def test_rounds_extend_only_with_the_explicit_key(checkpoint):
     assert note.endswith("optim.schedule=cosine now anneals over the new number of rounds")
 
 
-def test_a_checkpoint_from_before_an_added_key_resumes_under_its_old_behaviour(checkpoint):
-    """eval.also came after checkpoints existed: one without it counts as eval.also=[] (what
-    fedfew did then), so it resumes under the default and is refused under another value."""
+@pytest.mark.parametrize("section,key,other,shown", [("eval", "also", "eval.also=[finetune]", r"\[\], now \['finetune'\]"),
+                                                      ("optim", "clip_norm", "optim.clip_norm=1.0", r"null, now 1.0")])
+def test_a_checkpoint_from_before_an_added_key_resumes_under_its_old_behaviour(checkpoint, section, key, other, shown):
+    """eval.also and optim.clip_norm came after checkpoints existed: one without the key counts as
+    its ADDED_KEYS value (what fedfew did then), so it resumes under the default and is refused
+    under another value."""
     run_dir, state = checkpoint
-    older = dict(state, config={**state["config"], "eval": {k: v for k, v in state["config"]["eval"].items()
-                                                             if k != "also"}})
-    assert "also" not in older["config"]["eval"] and ADDED_KEYS == {"eval.also": []}
+    older = dict(state, config={**state["config"], section: {k: v for k, v in state["config"][section].items()
+                                                             if k != key}})
+    assert key not in older["config"][section] and ADDED_KEYS == {"eval.also": [], "optim.clip_norm": None}
     assert check_resume_config(older, compose_config(*SMALL, "rounds=3", "algorithm.mu=0.2")) is None
-    with pytest.raises(ResumeError, match=r"eval.also: checkpoint \[\], now \['finetune'\]"):
-        check_resume_config(older, compose_config(*SMALL, "rounds=3", "algorithm.mu=0.2", "eval.also=[finetune]"))
+    with pytest.raises(ResumeError, match=rf"{section}.{key}: checkpoint {shown}"):
+        check_resume_config(older, compose_config(*SMALL, "rounds=3", "algorithm.mu=0.2", other))
 
 
 def test_checkpoint_without_config_and_auto_without_checkpoint_are_refused(checkpoint, tmp_path):

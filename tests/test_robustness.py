@@ -32,12 +32,16 @@ def flat(models):
     return [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
 
 
-def test_nonfinite_client_is_excluded_with_a_warning(tmp_path, cpu_fabric):
+def test_nonfinite_client_is_excluded_and_recorded_without_a_warning_per_round(tmp_path, cpu_fabric):
     cfg = compose_config("num_clients=6", "logger=none", "algorithm.mu=0.5")
     sim = Simulation(cfg, cpu_fabric, tmp_path, data=poisoned(cfg, 2))
-    with pytest.warns(UserWarning, match="client 2 has a non-finite loss"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # recorded (fedfew.nonfinite), not warned
         logs = sim.run_round(1)
-    assert logs["excluded"] == [2]
+    assert logs["excluded"] == [2] and logs["nonfinite_clients"] == [2]
+    K = sim.module.K
+    assert sim.nonfinite.as_dict()["clients"] == {
+        "2": {"first_round": 1, "last_round": 1, "rounds": 1, "what": [f"local copy of model {k}" for k in range(K)]}}
     K = sim.module.K
     assert float(logs["alpha"][2]) == 0.0 and torch.equal(logs["w"][2], torch.zeros(K, dtype=torch.float64))
     assert float(logs["alpha"].sum()) == pytest.approx(1.0)
@@ -54,7 +58,7 @@ def test_nonfinite_client_is_excluded_with_a_warning(tmp_path, cpu_fabric):
 def test_nonfinite_client_is_fatal_when_configured(tmp_path, cpu_fabric):
     cfg = compose_config("num_clients=6", "logger=none", "fail_on_nonfinite=true")
     sim = Simulation(cfg, cpu_fabric, tmp_path, data=poisoned(cfg, 4))
-    with pytest.raises(FloatingPointError, match="client 4"):
+    with pytest.raises(FloatingPointError, match=r"round 1: client 4: non-finite local copy of model 0"):
         sim.run_round(1)
 
 
@@ -64,10 +68,8 @@ def test_all_clients_nonfinite_leaves_models_unchanged(tmp_path, cpu_fabric):
     data.inputs[:] = float("nan")
     sim = Simulation(cfg, cpu_fabric, tmp_path, data=data)
     before = flat(sim.module.models)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logs = sim.run_round(1)
-    assert logs["excluded"] == [0, 1, 2]
+    logs = sim.run_round(1)
+    assert logs["excluded"] == [0, 1, 2] and sim.nonfinite.diverged_rounds == [1] and sim.nonfinite.stopped_at is None
     for a, b in zip(before, flat(sim.module.models)):
         assert torch.equal(a, b)
 

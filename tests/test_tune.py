@@ -41,9 +41,21 @@ if args["algorithm"] == os.environ.get("FAKE_SIGNAL") and "resume" not in args: 
 assert args["eval.split"] == "val" and float(args["partition.val_fraction"]) > 0 and args["logger"] == "none"
 acc = 1.0 - abs(math.log(lr / 0.1)) / 10          # best at lr = 0.1
 os.makedirs(run_dir, exist_ok=True)
+# above FAKE_NAN_ABOVE an lr scores best, and a local copy goes non-finite (on seed FAKE_NAN_SEED only, when set)
+nonfinite = {"clients": {}, "diverged_rounds": [], "stopped_at": None, "verdict": "finite"}
+if lr > float(os.environ.get("FAKE_NAN_ABOVE", "inf")):
+    acc = 0.99
+if lr > float(os.environ.get("FAKE_NAN_ABOVE", "inf")) and os.environ.get("FAKE_NAN_SEED", args["seed"]) == args["seed"]:
+    nonfinite = {"clients": {"2": {"first_round": 2, "last_round": 3, "rounds": 2, "what": ["local copy of model 0"]}},
+                 "diverged_rounds": [], "stopped_at": None, "verdict": "nonfinite"}
+    if os.environ.get("FAKE_STOP"):  # every client non-finite: the run stops early (fedfew.nonfinite)
+        nonfinite.update(diverged_rounds=[1, 2, 3], stopped_at=3, verdict="diverged")
 evals = [{"round": r, "acc_mean": acc - 0.01 * (3 - r)} for r in (1, 2, 3)]
 with open(os.path.join(run_dir, "results.json"), "w") as f:
-    json.dump({"summary": {"acc_mean": acc, "eval_split": "val"}, "evaluations": evals}, f)
+    json.dump({"summary": {"acc_mean": acc, "eval_split": "val", "verdict": nonfinite["verdict"]},
+               "evaluations": evals, "nonfinite": nonfinite}, f)
+if nonfinite["stopped_at"] is not None:
+    sys.exit(3)
 '''
 
 
@@ -188,10 +200,15 @@ def test_study_is_reproducible_resumes_and_writes_a_preset(tmp_path, fake, monke
     assert tune.main(argv(whole, 5), command=command) == 0
     assert tune.main(argv(parts, 3), command=command) == 0
     first = log.read_text().splitlines()
-    assert len(first) == (5 + 1) + (3 + 1)                          # sampled trials and the config defaults, each
+    # sampled trials and the config defaults on seed 0, then the best confirmed on seed 1 and run at 1.5x its lr
+    assert len(first) == (5 + 1 + 2) + (3 + 1 + 2)
+    assert sum("/seed1" in line for line in first) == 2 and sum("_lr1.5x/seed0" in line for line in first) == 2
+    best_of_3 = tune.choice(load(parts)).label
     assert tune.main(argv(parts, 5), command=command) == 0          # resumes: 2 more trials only
-    assert len(log.read_text().splitlines()) == len(first) + 2
+    new_best = tune.choice(load(parts)).label != best_of_3           # then its confirmation and margin runs
+    assert len(log.read_text().splitlines()) == len(first) + 2 + (2 if new_best else 0)
     assert trial_values(parts) == trial_values(whole)               # as if never interrupted
+    assert tune.choice(load(parts)) == tune.choice(load(whole))
     *values, defaults = trial_values(whole)
     assert len(values) == 5 and len({v["optim.lr"] for v, _ in values}) == 5
     assert defaults == pytest.approx(1.0 - abs(math.log(0.3 / 0.1)) / 10 - 0.01)   # lr 0.3: the config's
@@ -231,6 +248,65 @@ def test_study_is_reproducible_resumes_and_writes_a_preset(tmp_path, fake, monke
     assert compare.preset_for("digits", "fedavg", None, [], runs)[1] == str(installed)
 
 
+def test_a_tune_resumes_from_another_data_folder_with_the_same_data_only(tmp_path, fake):
+    """A study records the fingerprint of its data, not the folder: the same tune with data_dir=B, a
+    copy of A, resumes it (nothing runs again) and one with data_dir=C, where a label differs, is
+    refused naming both fingerprints; a study made before the fingerprint was recorded is checked by
+    a finished run's partition hash (and resumes without the settings added since that shape only the
+    runs after the search). The preset header names the data folder <data_dir>."""
+    import shutil
+
+    import optuna
+
+    from fedfew.data import fingerprint
+    from fedfew.data.datasets import agnews
+    from test_compare import write_agnews
+
+    command, log = fake
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    write_agnews(a)
+    shutil.copytree(a, b)
+    write_agnews(c, relabel=True)
+    out = tmp_path / "out"
+
+    def args(data):
+        return ["--dataset", "agnews", "--algorithms", "fedavg", "--trials", "2", "--out", str(out), "--install", "no",
+                "--", f"data_dir={data}", "num_clients=2", "rounds=3"]
+
+    def study():
+        return optuna.load_study(study_name="agnews_fedavg", storage=f"sqlite:///{out / 'fedavg' / 'study.db'}")
+
+    ours, theirs = (fingerprint.data_fingerprint(agnews.load(None, d)) for d in (a, c))
+    assert tune.main(args(a), command=command) == 0
+    assert study().user_attrs["data_fingerprint"] == ours != theirs
+    before = log.read_text().splitlines()
+    assert any(line.endswith("defaults/seed0") for line in before)   # the trials ran, and the config defaults
+    assert tune.main(args(b), command=command) == 0              # a copy elsewhere: the same study, nothing rerun
+    assert log.read_text().splitlines() == before
+    text = (out / "presets" / "agnews_fedavg.yaml").read_text()
+    assert "# extra overrides: data_dir=<data_dir> num_clients=2 rounds=3\n" in text
+    assert "--install no -- 'data_dir=<data_dir>' num_clients=2 rounds=3\n" in text
+    assert str(a) not in text and str(b) not in text
+    with pytest.raises(TuneError, match=rf"holds a tune of fedavg made from other data \(data fingerprint "
+                                        rf"{ours[:12]} recorded, {theirs[:12]} in {c}\)"):
+        tune.main(args(c), command=command)
+
+    # a study made before studies recorded their data (and the settings of the runs after the search):
+    # one of its finished runs' partition hash decides
+    study().set_user_attr("data_fingerprint", None)
+    settings = study().user_attrs["settings"]
+    study().set_user_attr("settings", {k: v for k, v in settings.items() if k not in ("confirm_seeds", "stability")})
+    config = OmegaConf.to_container(compose_config("dataset=agnews", "algorithm=fedavg", f"data_dir={a}",
+                                                   "num_clients=2", "rounds=3", "partition.val_fraction=0.2"), resolve=True)
+    run = out / "fedavg" / "trial000" / "seed0" / "results.json"
+    run.write_text(json.dumps({**json.loads(run.read_text()), "config": config,
+                               "partition_hash": fingerprint.DataCheck(a).partition_hash(config)}))
+    assert tune.main(args(b), command=command) == 0 and log.read_text().splitlines() == before
+    with pytest.raises(TuneError, match=r"made from other data \(partition hash [0-9a-f]{12} recorded \(no data "
+                                        r"fingerprint"):
+        tune.main(args(c), command=command)
+
+
 def test_an_interrupted_trial_runs_again_with_its_values_and_a_failed_one_stops_the_tune(tmp_path, fake, monkeypatch):
     command, log = fake
     out = tmp_path / "out"
@@ -248,39 +324,26 @@ def test_an_interrupted_trial_runs_again_with_its_values_and_a_failed_one_stops_
 
 
 def test_an_interrupted_trial_reuses_its_finished_runs_and_continues_its_checkpoints(tmp_path, fake):
-    """A killed tune's trial folder is taken over by the trial that repeats it: a seed with results
-    is not run again, a seed with a checkpoint is resumed from it, a folder made with other
-    overrides starts afresh."""
+    """A killed tune's trial folder is taken over by the trial that repeats it, and its seed's
+    checkpoint is resumed from (results reused and stale folders restarted: the same
+    fedfew.launch.progress as make compare's, tests/test_compare.py)."""
     import optuna
 
     command, log = fake
     out = tmp_path / "out"
-    assert tune.main(argv(out, 1, "--seeds", "0", "1", "2"), command=command) == 0
+    assert tune.main(argv(out, 1, "--seeds", "0"), command=command) == 0
     lost = left_running(out)
-    lr = lost.params["optim.lr"]
     folder = out / "fedavg" / f"trial{lost.number:03d}"
-    acc = 0.4321
-    (folder / "seed0").mkdir(parents=True)                      # seed 0 finished before the kill
-    (folder / "seed0" / "results.json").write_text(json.dumps(
-        {"summary": {"acc_mean": acc, "eval_split": "val"}, "wall_time_s": 123.0,
-         "evaluations": [{"round": r, "acc_mean": acc} for r in (1, 2, 3)]}))
-    (folder / "seed1" / "checkpoints").mkdir(parents=True)      # seed 1 was at a checkpoint
-    (folder / "seed1" / "checkpoints" / "last.ckpt").write_bytes(b"stand-in")
-    (folder / "seed2" / "checkpoints").mkdir(parents=True)      # seed 2's checkpoint is another run's
-    (folder / "seed2" / "checkpoints" / "last.ckpt").write_bytes(b"stand-in")
-    (folder / "seed2" / ".hydra").mkdir()
-    (folder / "seed2" / ".hydra" / "overrides.yaml").write_text("- rounds=99\n")
+    (folder / "seed0" / "checkpoints").mkdir(parents=True)      # seed 0 was at a checkpoint
+    (folder / "seed0" / "checkpoints" / "last.ckpt").write_bytes(b"stand-in")
     before = len(log.read_text().splitlines())
-    assert tune.main(argv(out, 2, "--seeds", "0", "1", "2"), command=command) == 0
+    assert tune.main(argv(out, 2, "--seeds", "0"), command=command) == 0
     new = log.read_text().splitlines()[before:]
     repeat = max(t.number for t in load(out).get_trials(states=(optuna.trial.TrialState.COMPLETE,)))
     moved = out / "fedavg" / f"trial{repeat:03d}"
     assert not folder.exists() and moved.is_dir()
-    assert new == [f"{moved / 'seed1'} resume={moved / 'seed1' / 'checkpoints' / 'last.ckpt'}",
-                   str(moved / "seed2")]                        # seed 0 reused, seed 1 resumed, seed 2 afresh
-    fresh = 1.0 - abs(math.log(float(f"{lr:.3g}") / 0.1)) / 10 - 0.01
-    assert load(out).trials[repeat].value == pytest.approx((acc + 2 * fresh) / 3)
-    assert load(out).trials[repeat].user_attrs["wall_s"] >= 123.0   # the part before the kill counts
+    assert new[0] == f"{moved / 'seed0'} resume={moved / 'seed0' / 'checkpoints' / 'last.ckpt'}"  # resumed
+    assert all("_lr1.5x/seed0" in line for line in new[1:])  # then only a margin run, if the best changed
 
 
 def test_a_trial_stopped_by_a_signal_stays_running_and_continues_on_the_next_invocation(tmp_path, fake, monkeypatch):
@@ -301,7 +364,9 @@ def test_a_trial_stopped_by_a_signal_stays_running_and_continues_on_the_next_inv
     before = len(log.read_text().splitlines())
     assert tune.main(argv(out, 2, algorithms=("fedavg", "local"), jobs=2), command=command) == 0
     new = log.read_text().splitlines()[before:]
-    assert len(new) == 3 and sum(" resume=" in line for line in new) == 2   # the 2 trials continued, then the defaults
+    # the 2 trials continued, then the defaults, then the best confirmed on seed 1 and run at 1.5x its lr
+    assert len(new) == 5 and sum(" resume=" in line for line in new) == 2
+    assert sum("/seed1" in line for line in new) == 1 and sum("_lr1.5x/seed0" in line for line in new) == 1
     assert len(trial_values(out, "fedavg")) == 2 + 1
 
 
@@ -316,7 +381,8 @@ def test_a_refused_checkpoint_starts_the_trial_afresh(tmp_path, fake, monkeypatc
     before = len(log.read_text().splitlines())
     assert tune.main(argv(out, 2), command=command) == 0
     new = log.read_text().splitlines()[before:]
-    assert len(new) == 2 and " resume=" in new[0] and " resume=" not in new[1]   # refused, then afresh
+    assert " resume=" in new[0] and " resume=" not in new[1]   # refused, then afresh
+    assert len(new) in (2, 4)  # and, if it is the new best, its confirmation and margin runs
     assert len(trial_values(out)) == 2 + 1
 
 
@@ -484,3 +550,63 @@ def test_a_chosen_value_at_a_range_edge_is_reported():
     assert tune.range_edges([tune.Dimension("algorithm.alpha_lr", 0.01, 1.0, log=True)], {"algorithm.alpha_lr": None}) == []
     assert tune.range_edges([tune.Dimension("algorithm.mu_prox", 0.001, 1.0, log=True)], {"algorithm.mu_prox": 0}) == [
         "algorithm.mu_prox=0 (outside [0.001, 1])"]
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_a_diverged_trial_is_a_failed_trial_and_never_chosen(tmp_path, fake, monkeypatch, stop):
+    """Every lr above 0.2 makes a local copy non-finite (or the whole run stop early, exit 3) while
+    scoring 0.99, better than any finite trial: those trials fail, count in the budget, and a
+    lower lr is chosen; the preset names them."""
+    command, log = fake
+    monkeypatch.setenv("FAKE_NAN_ABOVE", "0.2")
+    if stop:
+        monkeypatch.setenv("FAKE_STOP", "1")
+    out = tmp_path / "out"
+    assert tune.main(argv(out, 6), command=command) == 0
+    from optuna.trial import TrialState
+
+    trials = load(out).get_trials()
+    diverged = [t for t in trials if t.user_attrs.get("diverged")]
+    lrs = {t.user_attrs["values"]["optim.lr"] for t in diverged}
+    assert diverged and all(t.state == TrialState.FAIL for t in diverged) and min(lrs) > 0.2
+    assert len(tune.finished(load(out))) == 6                                     # the budget: 6 trials in all
+    assert load(out).user_attrs["defaults"]["value"] is None                      # lr 0.3 diverged too
+    chosen = tune.choice(load(out))
+    assert chosen.values["optim.lr"] <= 0.2 and chosen.value < 0.99
+    assert set(chosen.confirmed) == {"1"} and (chosen.margin["diverged"] is not None) == (chosen.margin["lr"] > 0.2)
+    text = (out / "presets" / "digits_fedavg.yaml").read_text()
+    assert f"# diverged: trial {diverged[0].number} (optim.lr=" in text and "the config defaults (seed 0:" in text
+    assert "| fedavg |" in (out / "tune.md").read_text()
+
+
+def test_the_best_candidate_is_confirmed_on_a_second_seed_and_its_margin_reported(tmp_path, fake, monkeypatch):
+    """Above lr 0.2 runs diverge on seed 1 only: the trials (seed 0) rank such an lr first, its
+    confirmation on seed 1 rejects it and the next finite candidate is chosen; the preset records
+    both seeds' scores and whether 1.5x the chosen lr diverged."""
+    command, log = fake
+    monkeypatch.setenv("FAKE_NAN_ABOVE", "0.2")
+    monkeypatch.setenv("FAKE_NAN_SEED", "1")
+    out = tmp_path / "out"
+    assert tune.main(argv(out, 6), command=command) == 0
+    ranked = tune.ranked_candidates(load(out))
+    assert ranked[0][2] == 0.99 - 0.01  # a diverging lr ranks first on seed 0, which cannot see it
+    chosen = tune.choice(load(out))
+    lr = chosen.values["optim.lr"]
+    assert lr <= 0.2 and chosen.rejected                                          # the first candidates diverged on seed 1
+    assert set(chosen.confirmed) == {"1"}
+    expected = 1.0 - abs(math.log(lr / 0.1)) / 10 - 0.01                          # the fake's score, last 3 evaluations
+    assert chosen.value == pytest.approx(expected) and chosen.confirmed["1"] == pytest.approx(expected)
+    margin_lr = float(f"{lr * 1.5:.3g}")
+    assert chosen.margin["lr"] == margin_lr and chosen.margin["diverged"] is None  # seed 0 stays finite
+    text = (out / "presets" / "digits_fedavg.yaml").read_text()
+    assert f"# confirmed: seed 1: {expected:.4f}" in text and "rejected first, diverged on a confirmation seed" in text
+    assert f"# stability margin: at 1.5x the chosen lr (optim.lr={margin_lr}), seed 0: " in text
+
+
+def test_bad_seeds_and_stability_are_refused_before_any_run(tmp_path, fake):
+    command, log = fake
+    for more, words in [(["--seeds"], "give one or more distinct seeds"), (["--seeds", "0", "0"], "distinct seeds"),
+                        (["--stability", "1"], "a number > 1")]:
+        with pytest.raises(TuneError, match=words):
+            tune.main(argv(tmp_path / "out", 2, *more), command=command)
+    assert not log.exists()

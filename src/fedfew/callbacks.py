@@ -31,6 +31,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fedfew.io import atomic_write_json, atomic_write_text, to_jsonable
+from fedfew.nonfinite import describe as describe_nonfinite
 
 SUMMARY_KEYS = ("acc_mean", "acc_std", "acc_min", "acc_max", "acc_weighted", "majority_acc_mean")
 #: keys of an algorithm's round logs that are not extra scalars of its own
@@ -501,6 +502,9 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         lines.append(f"DIVERGED: the scored model of {len(diverged)} of {len(results['clients'])} clients has a "
                      f"non-finite loss (clients {diverged}), so it predicts one class; the figures above count "
                      "them. Look at train_loss in metrics.csv: a lower optim.lr is the usual cure")
+    nonfinite = describe_nonfinite(results.get("nonfinite"), int(s.get("rounds") or 0))
+    if nonfinite:  # a diverged run says so before any figure
+        lines.insert(0 if s.get("verdict") == "diverged" else len(lines), nonfinite)
     if s.get("K_changes") is not None:  # FedFew K=auto (fedfew.auto_k)
         retired = ", ".join(f"{c['model']} at round {c['round']} ({c['reason']}"
                             + (f" of {c['partner']})" if c.get("partner") is not None else ")") for c in s["K_changes"])

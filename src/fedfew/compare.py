@@ -60,6 +60,7 @@ from fedfew.checkpoint import checkpoint_path
 from fedfew.io import atomic_write_text
 from fedfew.launch import (FAILED_RESULTS, Busy, check_not_training, exclusive, launch, outcome, progress,
                            recorded_overrides, refused_checkpoint, tidy)
+from fedfew.nonfinite import DIVERGED_EXIT
 from fedfew.partition_report import partition_scheme
 from fedfew.runs import data_mismatch, diverged_clients, portable_command, portable_path
 
@@ -296,6 +297,10 @@ def run_all(runs: Sequence[Run], jobs: int = 1, python: str = sys.executable,
                 part = " for its last part" if resumed else ""
                 echo(f"    {run.algorithm} seed {run.seed}: client-mean acc {acc:.4f} "
                      f"({seconds:.0f} s wall, {cpu:.0f} s CPU{part})")
+            elif state == "diverged":
+                stopped_at = json.loads(run.results_path.read_text()).get("nonfinite", {}).get("stopped_at")
+                echo(f"    {run.algorithm} seed {run.seed}: DIVERGED, every client non-finite, stopped after round "
+                     f"{stopped_at} (exit code {DIVERGED_EXIT}); in the table, named in its warnings")
             elif state == "interrupted":
                 echo(f"    {run.algorithm} seed {run.seed} was stopped by a signal after {seconds:.0f} s; its "
                      f"checkpoint is kept: run the same command again to continue it")
@@ -949,8 +954,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     with exclusive(out, "make compare"):  # one tool at a time writes into out
         start = time.perf_counter()
         status = run_all(runs, jobs=args.jobs)
-        results = collect([r for r in runs if status.get(r) in ("done", "reused")])  # a failed run's results stay out
+        finished = [r for r in runs if status.get(r) in ("done", "reused", "diverged")]
+        results = collect(finished)  # a failed run's results stay out
         failed = [f"{r.algorithm}/seed{r.seed}" for r, s in status.items() if s == "failed"]
+        verdicts = {r: json.loads(r.results_path.read_text())["summary"].get("verdict", "finite") for r in finished}
+        diverged = [f"{r.algorithm}/seed{r.seed}" for r, v in verdicts.items() if v == "diverged"]
+        nonfinite = [f"{r.algorithm}/seed{r.seed}" for r, v in verdicts.items() if v == "nonfinite"]
         stopped = [f"{r.algorithm}/seed{r.seed}" for r, s in status.items() if s == "interrupted"]
         elapsed = time.perf_counter() - start
         run_wall = sum(float(r.get("wall_time_s") or 0.0) for r in results.values())
@@ -965,6 +974,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 notes.append("left out (they cannot run on this setup): " + "; ".join(left_out))
             if failed:
                 warnings.append(f"failed runs (left out; logs in {portable_path(out / 'logs')}): {', '.join(failed)}")
+            if diverged:
+                warnings.append(f"**runs that diverged** (every client non-finite, stopped early with exit code "
+                                f"{DIVERGED_EXIT}; their figures are of the models as they were then, not a result): "
+                                f"{', '.join(diverged)}")
+            if nonfinite:
+                warnings.append(f"runs where some client's update, local copy or personal state went non-finite in "
+                                f"some rounds (left out of those rounds' aggregation; results.json nonfinite says who "
+                                f"and when): {', '.join(nonfinite)}")
             if stopped:
                 warnings.append(f"runs stopped by a signal (left out; run the same command again to continue them "
                                 f"from their checkpoints): {', '.join(stopped)}")
@@ -981,7 +998,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 written += write_plots(out, scored, algorithms, majority, title, suffix)
             print(to_markdown(rows, title, [*warnings, *notes]))
         print(f"wrote {', '.join(str(w) if i == 0 else w.name for i, w in enumerate(written))} ({elapsed:.0f} s)")
-    return 1 if failed or stopped else 0
+    return 1 if failed or stopped or diverged else 0
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from fedfew.checkpoint import checkpoint_path
+from fedfew.nonfinite import DIVERGED_EXIT
 
 #: rounds between the checkpoints of a run launched here (about 2.5 min of AG News, at most that
 #: is lost per interrupted run)
@@ -147,10 +148,12 @@ def interrupted(code: int) -> bool:
 
 
 def outcome(code: int, run_dir: Path) -> str:
-    """A launched run's end: ``done`` (exit 0 and results.json), ``interrupted`` (a signal stopped
-    it, :func:`interrupted`: its checkpoint is kept) or ``failed``."""
-    if code == 0 and (Path(run_dir) / RESULTS).exists():
-        return "done"
+    """A launched run's end: ``done`` (exit 0 and results.json), ``diverged`` (it stopped early
+    because every client went non-finite, exit :data:`fedfew.nonfinite.DIVERGED_EXIT`, with its
+    results.json: an outcome, not a crash), ``interrupted`` (a signal stopped it,
+    :func:`interrupted`: its checkpoint is kept) or ``failed``."""
+    if code in (0, DIVERGED_EXIT) and (Path(run_dir) / RESULTS).exists():
+        return "done" if code == 0 else "diverged"
     return "interrupted" if interrupted(code) else "failed"
 
 
@@ -217,7 +220,7 @@ def launch(overrides: Sequence[str], run_dir: Path, log_path: Path,
             with _LOCK:
                 _RUNNING.discard(proc)
     code = os.waitstatus_to_exitcode(status)
-    if code == 0:
+    if code in (0, DIVERGED_EXIT):  # finished, or stopped early as diverged (an outcome with its results)
         tidy(run_dir, overrides)
         (run_dir / FAILED_RESULTS).unlink(missing_ok=True)  # an earlier attempt's, now superseded
     elif not interrupted(code) and (run_dir / RESULTS).exists():

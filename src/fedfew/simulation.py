@@ -8,6 +8,10 @@ One round (every rank runs the same code on its own clients)::
     -> alg.end_round(...)                                   (aggregation + server step)
     -> callbacks: on_round_end (metrics file, loggers, progress)
     -> every eval_every rounds and at the end: selection + personalized accuracy
+
+A client whose loss, update or personal state is not finite is reported to ``ctx.nonfinite``
+(:mod:`fedfew.nonfinite`) and left out of the round; after ``DIVERGED_ROUNDS`` rounds in a row in
+which every participant was, the run stops early with ``summary.verdict = "diverged"``.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from fedfew.evaluation import EvalSettings, best_round, evaluate_clients, report
 from fedfew.io import atomic_torch_save
 from fedfew.models import MODELS, DataInfo
 from fedfew.module import KModelSet, round_lr
+from fedfew.nonfinite import NonFiniteLog
 from fedfew.seeding import derive_seed
 
 
@@ -106,6 +111,7 @@ class Simulation:
             clip_norm=cfg.optim.get("clip_norm"),
         ).to(fabric.device)
         self.num_train = torch.tensor([len(c.train) for c in host_data.clients], dtype=torch.int64)
+        self.nonfinite = NonFiniteLog(fatal=bool(cfg.get("fail_on_nonfinite", False)))
         self.ctx = Context(
             cfg=cfg,
             fabric=fabric,
@@ -115,6 +121,7 @@ class Simulation:
             num_train=self.num_train,
             autocast=fabric.autocast if cfg.trainer.precision not in ("32", "32-true", 32) else None,
             my_clients=self.my_clients,
+            nonfinite=self.nonfinite,
         )
         self.algorithm = alg_cls(cfg.algorithm, self.ctx)
         # per participating client per round (fedfew.budget); steps are not counted by the vmap engine
@@ -149,6 +156,7 @@ class Simulation:
         participants = select_participants(self.cfg, rnd, self.num_clients)
         position = {cid: j for j, cid in enumerate(participants)}
         self.module.lr = round_lr(self.cfg.optim, rnd, int(self.cfg.rounds))  # every local optimizer of this round
+        self.nonfinite.begin_round(rnd)
         self.algorithm.begin_round(rnd, participants)
         rows: dict[str, dict[int, torch.Tensor]] = {}
         with StepCounter() as steps:
@@ -162,8 +170,12 @@ class Simulation:
             for name, shape in self.algorithm.row_shapes.items()
         }
         logs = self.algorithm.end_round(rnd, participants, gathered)
+        flags = torch.tensor([1.0 if c in self.nonfinite.reported_this_round() else 0.0 for c in participants],
+                             dtype=torch.float64, device=self.fabric.device)
+        reported = [c for c, f in zip(participants, all_reduce_(flags, "max").tolist()) if f > 0]
+        self.nonfinite.end_round(participants, set(reported))
         logs.update(round=rnd, participants=participants, round_time_s=time.perf_counter() - start,
-                    lr=self.module.lr)
+                    lr=self.module.lr, nonfinite_clients=reported)
         logs.update(self._spent(len(participants), steps.count, models=logs.get("K")))
         return logs
 
@@ -241,8 +253,10 @@ class Simulation:
             "evaluations": self.evaluations,
             "wall_time_s": self.wall_time_s,
             "partition_hash": self.host_data.partition_hash,
+            "data_fingerprint": self.host_data.data_fingerprint,  # checked on resume, with the partition
             "logger_state": self.logger_state,
             "best_evaluation": self.best_evaluation,
+            "nonfinite": self.nonfinite.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -251,13 +265,21 @@ class Simulation:
         Raises:
             ResumeError: (a ValueError) this run's config differs from the checkpoint's in a key
                 that changes results (:func:`fedfew.checkpoint.check_resume_config`).
-            ValueError: the checkpoint was made on a different partition.
+            ValueError: the checkpoint was made on a different partition, or from other data (its
+                ``data_fingerprint``, when it records one).
         """
         check_resume_config(state, self.cfg)
         if state["partition_hash"] != self.host_data.partition_hash:
             raise ValueError(
                 "resume: the checkpoint's partition differs from this run's (different seed, dataset, "
                 "num_clients or partition settings); resume with the original config or start a new run"
+            )
+        recorded = state.get("data_fingerprint")  # absent in checkpoints written before it was recorded
+        if recorded and self.host_data.data_fingerprint and recorded != self.host_data.data_fingerprint:
+            raise ValueError(
+                f"resume: the checkpoint was made from other data (data fingerprint {recorded[:12]}, this run's "
+                f"{self.host_data.data_fingerprint[:12]}: the files in data_dir differ in content); point data_dir "
+                "at the data the run started with, or start a new run"
             )
         self.module.keep_models_(state.get("model_ids", self.module.model_ids))  # models K=auto retired
         self.module.models.load_state_dict(state["models"])
@@ -270,6 +292,7 @@ class Simulation:
         self.wall_time_s = float(state.get("wall_time_s", 0.0))
         self.logger_state = dict(state.get("logger_state", {}))
         self.best_evaluation = state.get("best_evaluation")
+        self.nonfinite.load_state_dict(state.get("nonfinite"))
         self.start_round = int(state["round"]) + 1
 
     def save_checkpoint(self, rnd: int) -> None:
@@ -313,17 +336,27 @@ class Simulation:
                 stop = self._stop_requested()
                 if (every and rnd % every == 0) or stop:
                     self.save_checkpoint(rnd)
+                if self.nonfinite.stopped_at is not None:  # diverged: nothing finite reaches the server any more
+                    break
                 if stop and rnd < int(cfg.rounds):
                     fabric.call("on_interrupt", sim=self, round=rnd)
                     return {"interrupted": True, "round": rnd, "signal": self.stop_signal.signum}
         finally:
             self.stop_signal.uninstall()
         wall = self.wall_time_s
-        final = evaluation if evaluation is not None else self.evaluate(int(cfg.rounds))
+        last = len(self.history)  # the last round trained (< rounds when the run diverged)
+        final = evaluation if evaluation is not None else self.evaluate(last)
         also = final.get("also", {})  # eval.also: the final round's figures under those protocols
         final = reported(final, self.best_evaluation, self.eval_settings)  # reference: the best round
         final["summary"]["rounds"] = int(cfg.rounds)
         final["summary"].update(self.algorithm.summary())  # e.g. K=auto's K_changes
+        nonfinite = self.nonfinite.as_dict()
+        clients = merge_dicts(nonfinite["clients"])  # every rank's clients (a collective)
+        nonfinite["clients"] = {c: clients[c] for c in sorted(clients, key=int)}
+        nonfinite["verdict"] = "diverged" if nonfinite["stopped_at"] is not None else (
+            "nonfinite" if clients else "finite")
+        outcome = {"verdict": nonfinite["verdict"], "rounds_trained": last}
+        final["summary"].update(outcome)
         results = {
             "config": OmegaConf.to_container(cfg, resolve=True),
             "summary": final["summary"],
@@ -334,18 +367,20 @@ class Simulation:
             "participants": logs.get("participants"),
             "evaluations": self.evaluations,
             "partition_hash": self.host_data.partition_hash,
+            "data_fingerprint": self.host_data.data_fingerprint or None,  # what was read, not where (fedfew.data.fingerprint)
             "wall_time_s": wall,
             # wall time (training, evaluations, logging) per round, and training alone per round
             "seconds_per_round": wall / max(1, len(self.history)),
             "train_seconds_per_round": sum(float(h["round_time_s"]) for h in self.history) / max(1, len(self.history)),
             "world_size": fabric.world_size,
             "budget": self.budget(),
+            "nonfinite": nonfinite,
         }
         if self.preset is not None:
             results["preset"] = self.preset
         if also:  # the same run, scored under eval.also's protocols: what a run of each would report
             results["also"] = {
-                p: {"summary": {**r["summary"], "rounds": int(cfg.rounds), **self.algorithm.summary()},
+                p: {"summary": {**r["summary"], "rounds": int(cfg.rounds), **self.algorithm.summary(), **outcome},
                     "clients": r["clients"],
                     "evaluations": [{"round": e["round"], **e["also"][p]} for e in self.evaluations if "also" in e]}
                 for p, r in also.items()

@@ -213,6 +213,12 @@ def main(cfg: DictConfig) -> None:
     fresh = _only_hydra_files(run_dir)
     try:
         results = run(cfg, run_dir)
+        if results.get("summary", {}).get("verdict") == "diverged":
+            from fedfew.nonfinite import DIVERGED_EXIT
+
+            print(f"error: the run diverged (every client non-finite; results.json summary.verdict=diverged): "
+                  f"{run_dir}", file=sys.stderr, flush=True)
+            sys.exit(DIVERGED_EXIT)
         if results.get("interrupted"):
             signum = int(results["signal"] or signal.SIGTERM)
             print(f"stopped by {signal.Signals(signum).name} after round {results['round']}; checkpoint "

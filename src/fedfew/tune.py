@@ -71,10 +71,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from fedfew.checkpoint import ADDED_KEYS
 from fedfew.io import atomic_write_text
 from fedfew.launch import (Busy, check_not_training, exclusive, launch, outcome, pass_signals_on, progress,
                            refused_checkpoint, stopped_exit_code, tidy)
 from fedfew.partition_report import partition_scheme
+from fedfew.runs import diverged_clients, portable_command, portable_overrides
 from fedfew.seeding import derive_seed
 
 CONFIG_DIR = Path(__file__).resolve().parent / "conf"
@@ -98,6 +100,12 @@ LEFT_OUT = "left out (they cannot run on this setup; name them in ALGORITHMS to 
 class TuneError(RuntimeError):
     """The tune cannot run as asked (unknown algorithm, no or empty search space, bad
     overrides, a folder made by a different tune, a failed trial)."""
+
+
+class TrialDiverged(Exception):
+    """A trial's run went non-finite: a client's scored model, a local copy or a personal state
+    (:mod:`fedfew.nonfinite`), or it stopped early because every client did. The trial is a failed
+    trial: it counts in the budget and is never chosen. The message says which run and how."""
 
 
 class TrialInterrupted(Exception):
@@ -416,6 +424,10 @@ def setup_differences(path: str | Path, cfg) -> list[str] | None:
     except json.JSONDecodeError:
         tuned = None
     if isinstance(tuned, dict):
+        for dotted, default in ADDED_KEYS.items():  # a preset from before the key: it had the old behaviour
+            section, _, key = dotted.partition(".")
+            if isinstance(tuned.get(section), dict):
+                tuned[section].setdefault(key, default)
         here = json.loads(json.dumps(setup_keys(cfg)))
         out = []
         for section in [*tuned, *(k for k in here if k not in tuned)]:
@@ -499,6 +511,10 @@ class Plan:
     out: Path
     cfg: Any = None
     settings: dict[str, Any] = field(default_factory=dict)
+    #: seeds the best candidate is confirmed on (the trials run on ``seeds``)
+    confirm_seeds: list[int] = field(default_factory=list)
+    #: the stability margin: the chosen values are also run at this multiple of their lr
+    stability: float = 1.5
 
     @property
     def dir(self) -> Path:
@@ -528,7 +544,7 @@ def score(results: dict[str, Any], objective: str) -> float:
 
 
 def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[str],
-              stop: threading.Event | None = None) -> tuple[float, float, float]:
+              stop: threading.Event | None = None, seeds: Sequence[int] | None = None) -> tuple[float, float, float]:
     """Train one trial (one run per tuning seed, in turn) into ``<out>/<algorithm>/<name>``.
 
     A seed's folder left by an interrupted tune is picked up when it holds this run's results
@@ -540,16 +556,18 @@ def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[s
         name: ``trial<NNN>`` (Optuna's trial number) or ``defaults`` (the config defaults).
         values: the searched keys' values (none: the config defaults).
         stop: when set, no further seed is started.
+        seeds: the seeds to run (default ``plan.seeds``; the confirmation runs ``plan.confirm_seeds``).
 
     Returns:
         (score: mean over seeds, wall seconds (a continued run counts its rounds before the
         interruption too), CPU seconds of this invocation's processes).
     Raises:
         TuneError: a run failed (its log's tail in the message; its checkpoint is deleted).
+        TrialDiverged: a run went non-finite (:func:`nonfinite_reason`).
         TrialInterrupted: a run was stopped by a signal, or ``stop`` was set.
     """
     scores, wall, cpu = [], 0.0, 0.0
-    for seed in plan.seeds:
+    for seed in (plan.seeds if seeds is None else seeds):
         if stop is not None and stop.is_set():
             raise TrialInterrupted(f"{plan.algorithm} {name}: the tune is stopping")
         run_dir = plan.dir / name / f"seed{seed}"
@@ -584,8 +602,30 @@ def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[s
                             f"log {log_path}:\n{tail}")
         results = json.loads(results_path.read_text())
         wall += max(seconds, float(results.get("wall_time_s") or 0.0))
+        why = nonfinite_reason(results)
+        if end == "diverged" or why:
+            raise TrialDiverged(f"seed {seed}: {why or 'every client went non-finite'}")
         scores.append(score(results, plan.objective))
     return sum(scores) / len(scores), wall, cpu
+
+
+def nonfinite_reason(results: dict[str, Any]) -> str | None:
+    """Why a run counts as diverged for tuning, or None: it stopped early (``verdict: diverged``),
+    some client's scored model is non-finite (:func:`fedfew.runs.diverged_clients`), or some client's
+    local copy, update or personal state went non-finite in some round (results.json
+    ``nonfinite``, :mod:`fedfew.nonfinite`), e.g. ``client 3: local copy of model 2 from round 42``."""
+    record = results.get("nonfinite") or {}
+    if record.get("stopped_at") is not None:
+        return f"every client non-finite, stopped after round {record['stopped_at']}"
+    clients = record.get("clients") or {}
+    if clients:
+        cid, first = min(((c, r) for c, r in clients.items()), key=lambda cr: (cr[1]["first_round"], int(cr[0])))
+        return (f"{len(clients)} client(s) non-finite, first client {cid}: {', '.join(first['what'])} "
+                f"at round {first['first_round']}")
+    diverged = diverged_clients(results)
+    if diverged:
+        return f"the scored model of client(s) {diverged} is non-finite"
+    return None
 
 
 _ECHO_LOCK = threading.Lock()
@@ -601,30 +641,72 @@ def _echo(line: str) -> None:
 def open_study(plan: Plan):
     """The algorithm's study in ``<out>/<algorithm>/study.db`` (created, or resumed).
 
+    A study is resumed when it was made with the same settings, up to extra overrides that do not
+    change results (:func:`fedfew.runs.result_overrides`: a thread count, a logger, ``data_dir``),
+    and from the same data, by content: a new study records the ``data_fingerprint`` of the data in
+    ``plan.cfg.data_dir`` (:mod:`fedfew.data.fingerprint`), which a resume compares; a study made
+    before the fingerprint was recorded is compared through one of its finished runs
+    (:func:`fedfew.runs.data_mismatch`). So a tune copied with the repository resumes from a
+    clone anywhere, the data anywhere. Without ``plan.cfg`` the data is not checked.
+
     Raises:
-        TuneError: the folder holds a study made with different settings.
+        TuneError: the folder holds a study made with different settings, or from other data (the
+            message names both fingerprints or partition hashes), or the data cannot be read.
     """
     import optuna
+
+    from fedfew.data.fingerprint import data_check
+    from fedfew.runs import data_mismatch, recorded_data, result_overrides
 
     plan.dir.mkdir(parents=True, exist_ok=True)
     storage = f"sqlite:///{plan.dir / 'study.db'}"
     study = optuna.create_study(study_name=f"{plan.dataset}_{plan.algorithm}", storage=storage,
                                 direction="maximize", load_if_exists=True)
-    from fedfew.runs import result_overrides
+
+    # settings added since studies were first recorded that shape only the runs after the search (the
+    # confirmation seeds, the stability margin), never its trials: a study recorded before them lacks
+    # them and is the same study
+    after_search = ("confirm_seeds", "stability")
 
     def identity(settings: dict[str, Any]) -> dict[str, Any]:
-        # another thread count (JOBS=1 after JOBS=2) or logger is the same study
+        # another thread count (JOBS=1 after JOBS=2), logger or data folder is the same study
         return {**settings, "extra": result_overrides(settings.get("extra", []))}
 
     recorded = study.user_attrs.get("settings")
     wanted = json.loads(json.dumps(plan.settings))
-    if recorded is None:
-        study.set_user_attr("settings", plan.settings)
-    elif identity(recorded) != identity(wanted):
+    if recorded is not None:
+        wanted = {k: v for k, v in wanted.items() if k in recorded or k not in after_search}
+    if recorded is not None and identity(recorded) != identity(wanted):
         old, new = identity(recorded), identity(wanted)
         changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
         raise TuneError(f"{plan.dir} holds a tune of {plan.algorithm} made with other settings ({', '.join(changed)}); "
                         f"use another --out (TUNE_OUT=...) or delete {plan.dir}")
+    why, fingerprint = None, None
+    if plan.cfg is not None:
+        from omegaconf import OmegaConf
+
+        data_dir = plan.cfg.data_dir
+        check = data_check(data_dir)
+        try:
+            config = OmegaConf.to_container(plan.cfg, resolve=True)
+            fingerprint = check.fingerprint(config)
+            if recorded is not None and study.user_attrs.get("data_fingerprint"):
+                why = check.mismatch({"config": config, "data_fingerprint": study.user_attrs["data_fingerprint"]})
+            elif recorded is not None:  # made before studies recorded their data: a finished run of it tells
+                run = next((r.parent for r in sorted(plan.dir.glob("*/seed*/results.json"))
+                            if check.recorded(recorded_data(r.parent) or {})), None)
+                why = None if run is None else data_mismatch(run, data_dir)
+        except (OSError, ValueError) as err:  # DataNotFoundError, a malformed file, a partition that fails
+            raise TuneError(f"cannot read the data of the tune of {plan.algorithm} in {check.data_dir} (to compare it "
+                            f"with the data its study was made from): {type(err).__name__}: {err}") from err
+    if why:
+        raise TuneError(f"{plan.dir} holds a tune of {plan.algorithm} made from other data ({why}); a tune resumes on "
+                        f"the same data only, wherever that lies: point data_dir at the data it was made from, use "
+                        f"another --out (TUNE_OUT=...) or delete {plan.dir}")
+    if recorded is None:
+        study.set_user_attr("settings", plan.settings)
+        if fingerprint:
+            study.set_user_attr("data_fingerprint", fingerprint)
     return study
 
 
@@ -678,11 +760,16 @@ def default_values(plan: Plan) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Choice:
-    """The preset's values: the best sampled trial, or the config defaults when they score higher."""
+    """The preset's values: the best finite candidate confirmed on the confirmation seeds
+    (:func:`_confirm`), with what the stability margin showed."""
 
     value: float
     values: dict[str, Any]
     label: str  # "trial 7" or "the config defaults"
+    seed: int = 0  # the trial seed that ``value`` is from
+    confirmed: dict = field(default_factory=dict)  # confirmation seed (str) -> validation score
+    rejected: dict = field(default_factory=dict)  # label -> why it diverged on a confirmation seed
+    margin: dict | None = None  # lr, factor, diverged (why, or None), value
 
 
 class Slots:
@@ -784,7 +871,7 @@ def _tune(plan: Plan, command: Sequence[str], echo: Callable[[str], None], slots
     while True:
         if slots.stopped.is_set():
             raise TrialInterrupted(f"{plan.algorithm}: the tune is stopping")
-        done = len(completed(study))
+        done = len(finished(study))
         batch = min(plan.jobs, plan.trials - done)
         with_defaults = "defaults" not in study.user_attrs and batch < plan.jobs
         if batch <= 0 and not with_defaults:
@@ -823,6 +910,16 @@ def _tune(plan: Plan, command: Sequence[str], echo: Callable[[str], None], slots
                     study.tell(trial, state=TrialState.FAIL)
                 errors.append(err)
                 continue
+            except TrialDiverged as err:  # a failed trial: it counts in the budget, it is never chosen
+                label = "config defaults" if trial is None else f"trial {trial.number}"
+                if trial is None:
+                    study.set_user_attr("defaults", {"value": None, "values": default_values(plan), "diverged": str(err)})
+                else:
+                    trial.set_user_attr("diverged", str(err))
+                    study.tell(trial, state=TrialState.FAIL)
+                echo(f"  {plan.algorithm} {label}: {_fmt_values(values or default_values(plan))} -> DIVERGED ({err}); "
+                     "a failed trial")
+                continue
             if trial is None:
                 values = default_values(plan)
                 study.set_user_attr("defaults", {"value": value, "values": values, "wall_s": wall, "cpu_s": cpu})
@@ -832,30 +929,123 @@ def _tune(plan: Plan, command: Sequence[str], echo: Callable[[str], None], slots
             trial.set_user_attr("wall_s", wall)
             trial.set_user_attr("cpu_s", cpu)
             study.tell(trial, value)
-            echo(f"  {plan.algorithm} trial {trial.number} ({len(completed(study))}/{plan.trials}): "
+            echo(f"  {plan.algorithm} trial {trial.number} ({len(finished(study))}/{plan.trials}): "
                  f"{_fmt_values(values)} -> validation acc {value:.4f} ({wall:.0f} s wall, {cpu:.0f} s CPU)")
         if errors:
             raise errors[0]
         if stopped is not None:
             raise stopped if isinstance(stopped, TrialInterrupted) else TrialInterrupted(
                 f"{plan.algorithm}: the tune is stopping")
+    _confirm(plan, study, command, echo, slots, priority)
     return study
 
 
-def best_trial(study):
-    """The finished trial with the highest score (the lowest trial number on a tie)."""
-    trials = completed(study)
-    return max(trials, key=lambda t: (t.value, -t.number))
+def finished(study) -> list:
+    """The trials that count in the budget: the completed ones and those that diverged (failed
+    trials); not those an interruption left to be repeated."""
+    from optuna.trial import TrialState
+
+    return [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE
+            or (t.state == TrialState.FAIL and t.user_attrs.get("diverged"))]
+
+
+def ranked_candidates(study) -> list[tuple[str, dict[str, Any], float, str]]:
+    """The finite candidates, best validation score first: ``(folder name, the values the run
+    used, score, label)`` of every completed trial and of the config defaults (whose values are
+    ``{}``: the run uses the config itself). On a tie a trial comes before the defaults and an
+    earlier trial before a later one (the defaults win only when strictly better, as before)."""
+    out = [(f"trial{t.number:03d}", dict(t.user_attrs["values"]), float(t.value), f"trial {t.number}", (0, t.number))
+           for t in completed(study)]
+    defaults = study.user_attrs.get("defaults") or {}
+    if defaults.get("value") is not None:
+        out.append(("defaults", {}, float(defaults["value"]), "the config defaults", (1, 0)))
+    return [c[:4] for c in sorted(out, key=lambda c: (-c[2], c[4]))]
+
+
+def margin_values(plan: Plan, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with the local lr at ``plan.stability`` times its value (3 significant digits)."""
+    from omegaconf import OmegaConf
+
+    lr = float(values.get("optim.lr", OmegaConf.select(plan.cfg, "optim.lr")))
+    return {**values, "optim.lr": float(f"{lr * plan.stability:.3g}")}
+
+
+def _confirm(plan: Plan, study, command: Sequence[str], echo: Callable[[str], None], slots: Slots,
+             priority: int) -> None:
+    """Choose the preset: the best finite candidate (:func:`ranked_candidates`) that stays finite
+    on every confirmation seed (``plan.confirm_seeds``; a candidate that diverges there is
+    rejected and the next one confirmed), and its stability margin (the same values at
+    ``plan.stability`` x its lr on the first trial seed, run beside the confirmation; whether it
+    diverged is reported, not a reason to reject). The result is the study's ``choice`` attribute
+    (:func:`choice`); every run is a folder (``<name>/seed<S>``, ``<name>_lr<x>x/seed<S>``) reused
+    on the next invocation.
+
+    Raises:
+        TuneError: no candidate stayed finite, or a run failed.
+        TrialInterrupted: the tune is stopping.
+    """
+    rejected: dict[str, str] = {}
+    for name, values, value, label in ranked_candidates(study):
+        margin = margin_values(plan, values)
+        margin_future = slots.submit(priority, run_trial, plan, f"{name}_lr{plan.stability:g}x", margin, command,
+                                     slots.stopped, plan.seeds[:1])
+        confirmed: dict[str, float] = {}
+        try:
+            if plan.confirm_seeds:
+                for seed in plan.confirm_seeds:
+                    future = slots.submit(priority, run_trial, plan, name, values, command, slots.stopped, [seed])
+                    confirmed[str(seed)] = future.result()[0]
+        except TrialDiverged as err:
+            rejected[label] = str(err)
+            echo(f"  {plan.algorithm} {label}: DIVERGED on a confirmation seed ({err}); rejected, the next candidate "
+                 "is confirmed")
+            _wait_quietly(margin_future)
+            continue
+        except CancelledError:
+            raise TrialInterrupted(f"{plan.algorithm}: the tune is stopping") from None
+        try:
+            margin_value, _, _ = margin_future.result()
+            stability = {"lr": margin["optim.lr"], "factor": plan.stability, "diverged": None, "value": margin_value}
+        except TrialDiverged as err:
+            stability = {"lr": margin["optim.lr"], "factor": plan.stability, "diverged": str(err), "value": None}
+        except CancelledError:
+            raise TrialInterrupted(f"{plan.algorithm}: the tune is stopping") from None
+        chosen_values = values if name != "defaults" else dict(study.user_attrs["defaults"]["values"])
+        study.set_user_attr("choice", {"name": name, "label": label, "values": chosen_values, "value": value,
+                                       "seed": plan.seeds[0], "confirmed": confirmed, "rejected": rejected,
+                                       "margin": stability})
+        scores = ", ".join(f"seed {s}: {v:.4f}" for s, v in confirmed.items()) or "not confirmed (one tuning seed)"
+        margin_text = (f"diverged ({stability['diverged']})" if stability["diverged"] else
+                       f"finite, validation {stability['value']:.4f}")
+        echo(f"  {plan.algorithm}: {label} confirmed ({scores}); at {plan.stability:g}x its lr "
+             f"(optim.lr={margin['optim.lr']}): {margin_text}")
+        return
+    raise TuneError(f"{plan.algorithm}: no configuration stayed finite: every trial and the config defaults diverged "
+                    f"on the tuning or a confirmation seed ({'; '.join(f'{k}: {v}' for k, v in rejected.items()) or 'see above'}); "
+                    "set optim.clip_norm, or lower the lr range of conf/tune/common.yaml (for every method)")
+
+
+def _wait_quietly(future: Future) -> None:
+    """Wait for a run whose result is no longer needed (its folder stays for a later invocation)."""
+    try:
+        future.result()
+    except (TrialDiverged, TuneError, TrialInterrupted, CancelledError):
+        pass
 
 
 def choice(study) -> Choice:
-    """What the preset holds: the best sampled trial, or the config defaults when they score
-    strictly higher on validation (so a preset never scores below the defaults it replaces)."""
-    best = best_trial(study)
-    defaults = study.user_attrs.get("defaults")
-    if defaults is not None and defaults["value"] > best.value:
-        return Choice(float(defaults["value"]), dict(defaults["values"]), "the config defaults")
-    return Choice(float(best.value), dict(best.user_attrs["values"]), f"trial {best.number}")
+    """What the preset holds: the candidate :func:`_confirm` chose (the best finite one that
+    stayed finite on the confirmation seeds; the config defaults only when strictly better than
+    every trial, so a preset never scores below the defaults it replaces).
+
+    Raises:
+        TuneError: the study has not been through the confirmation yet.
+    """
+    chosen = study.user_attrs.get("choice")
+    if chosen is None:
+        raise TuneError("the study has no confirmed choice yet; run the same make tune command again")
+    return Choice(float(chosen["value"]), dict(chosen["values"]), chosen["label"], int(chosen.get("seed", 0)),
+                  dict(chosen.get("confirmed", {})), dict(chosen.get("rejected", {})), chosen.get("margin"))
 
 
 #: a chosen value this close to a bound (a fraction of the range, log scale for a log key) is reported
@@ -911,7 +1101,7 @@ def preset_text(plan: Plan, study, command: str, best: Choice | None = None) -> 
 
     best = best or choice(study)
     values = best.values
-    trials = completed(study)
+    trials = finished(study)
     wall = tuning_seconds(study)
     edges = range_edges(plan.space, values)
     header = [
@@ -922,27 +1112,65 @@ def preset_text(plan: Plan, study, command: str, best: Choice | None = None) -> 
         "compare uses it for runs of its setup; command-line overrides win.",
         f"# tuned for: {describe_setup(plan.cfg)}",
         f"# setup: {json.dumps(setup_keys(plan.cfg))}",
-        f"# extra overrides: {' '.join(plan.extra) or '(none)'}",
+        f"# extra overrides: {' '.join(portable_overrides(plan.extra)) or '(none)'}",
         "# search space: " + "; ".join(d.describe() for d in plan.space),
         f"# trials: {len(trials)} sampled (the same for every method) + the method's config defaults, Optuna TPE "
-        f"sampler seeded from {plan.sampler_seed}, {plan.startup} random start-up trials, {plan.jobs} at a time",
+        f"sampler seeded from {plan.sampler_seed}, {plan.startup} random start-up trials, {plan.jobs} at a time; "
+        "a trial in which anything went non-finite is a failed trial (counted, never chosen)",
+        f"# diverged: {diverged_text(study)}",
         f"# objective: client-mean accuracy on the validation split (partition.val_fraction={plan.val_fraction} of "
         f"each client's train split, never trained on; eval.split=val: the test split is never read), "
         + ("mean of the last 3 evaluations" if plan.objective == "last3" else "final round")
-        + f", mean over seeds {' '.join(map(str, plan.seeds))}",
-        f"# best validation score: {best.value:.4f} ({best.label}); the config defaults scored "
+        + f", trials on seed {plan.seeds[0]}",
+        f"# best validation score: {best.value:.4f} ({best.label}, seed {best.seed}); the config defaults scored "
         f"{_fmt_score(study.user_attrs.get('defaults'))}; trials' wall time, summed: {wall / 60:.1f} min",
+        f"# confirmed: {confirmed_text(best)}",
+        f"# stability margin: {margin_text(best)}",
         *([f"# at a range edge, the range may bind: {'; '.join(edges)} (docs/tuning.md)"] if edges else []),
         f"# made by: {os.environ.get('FEDFEW_TUNE_MADE_BY') or 'python -m fedfew.tune'} on "
         f"{datetime.date.today().isoformat()}",
-        f"# command: {command}",
+        f"# command: {portable_command(command)}",
     ]
     body = yaml.safe_dump(nest(values), sort_keys=False, default_flow_style=False)
     return "\n".join(header) + "\n" + body
 
 
 def _fmt_score(defaults: dict[str, Any] | None) -> str:
-    return "(not run)" if not defaults else f"{float(defaults['value']):.4f}"
+    if not defaults:
+        return "(not run)"
+    return "DIVERGED" if defaults.get("value") is None else f"{float(defaults['value']):.4f}"
+
+
+def diverged_text(study) -> str:
+    """The failed (diverged) trials and defaults, e.g. ``trial 2 (optim.lr=1.41: seed 0: ...)``, or ``none``."""
+    out = [f"trial {t.number} ({_fmt_values(t.user_attrs.get('values', {}))}: {t.user_attrs['diverged']})"
+           for t in finished(study) if t.user_attrs.get("diverged")]
+    defaults = study.user_attrs.get("defaults") or {}
+    if defaults.get("diverged"):
+        out.append(f"the config defaults ({defaults['diverged']})")
+    return "; ".join(out) or "none"
+
+
+def confirmed_text(best: Choice) -> str:
+    """The confirmation seeds' validation scores and the rejected candidates, in words."""
+    if not best.confirmed:
+        return "not confirmed on a second seed (one tuning seed: --seeds 0 1 confirms on seed 1)"
+    text = ", ".join(f"seed {s}: {v:.4f}" for s, v in best.confirmed.items())
+    mean = (best.value + sum(best.confirmed.values())) / (1 + len(best.confirmed))
+    text += f" (mean with seed {best.seed}: {mean:.4f}), finite"
+    if best.rejected:
+        text += "; rejected first, diverged on a confirmation seed: " + "; ".join(f"{k} ({v})" for k, v in best.rejected.items())
+    return text
+
+
+def margin_text(best: Choice) -> str:
+    """What the run at the stability factor times the chosen lr showed, in words."""
+    m = best.margin
+    if not m:
+        return "(not run)"
+    head = f"at {m['factor']:g}x the chosen lr (optim.lr={m['lr']}), seed {best.seed}: "
+    return head + (f"DIVERGED ({m['diverged']}): the preset sits within {m['factor']:g}x of the edge of stability"
+                   if m["diverged"] else f"finite, validation {m['value']:.4f}")
 
 
 def setup_changing(extra: Sequence[str]) -> list[str]:
@@ -964,7 +1192,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="algorithm config values (default: every registered one that can run on the setup)")
     parser.add_argument("--trials", type=int, default=12, help="finished trials per algorithm (default 12)")
     parser.add_argument("--jobs", type=int, default=1, help="trials at a time (default 1)")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="tuning seeds, each trial runs all (default 0)")
+    parser.add_argument("--seeds", nargs="*", type=int, default=[0, 1],
+                        help="tuning seeds: every trial runs on the first; the best candidate is confirmed on the others "
+                             "(default 0 1; a candidate that goes non-finite there is rejected)")
+    parser.add_argument("--stability", type=float, default=1.5,
+                        help="the chosen values are also run at this multiple of their lr, to report how close to the "
+                             "edge of stability the preset sits (default 1.5; > 1)")
     parser.add_argument("--val-fraction", type=float, default=0.2,
                         help="partition.val_fraction of the trials (default 0.2; must be in (0, 1))")
     parser.add_argument("--objective", choices=OBJECTIVES, default="last3",
@@ -1003,6 +1236,12 @@ def plans(args: argparse.Namespace) -> list[Plan]:
 
     if args.trials < 1 or args.jobs < 1:
         raise TuneError(f"--trials ({args.trials}) and --jobs ({args.jobs}) must be >= 1")
+    if not args.seeds or len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
+        raise TuneError(f"--seeds {' '.join(map(str, args.seeds)) or '(none)'}: give one or more distinct seeds >= 0, "
+                        "e.g. TUNE_SEEDS=\"0 1\" (trials on 0, the best confirmed on 1)")
+    if not (args.stability > 1 and math.isfinite(args.stability)):
+        raise TuneError(f"--stability {args.stability}: the margin run uses this multiple of the chosen lr; give a "
+                        "number > 1, e.g. 1.5")
     if args.startup < 0:
         raise TuneError(f"--startup must be >= 0, got {args.startup}")
     if not 0 < args.val_fraction < 1:
@@ -1030,8 +1269,9 @@ def plans(args: argparse.Namespace) -> list[Plan]:
             raise TuneError(f"empty search space for {alg}: every key of conf/tune/common.yaml and "
                             f"conf/tune/{alg}.yaml is fixed by the extra overrides ({sorted(fixed)}); "
                             "drop those overrides or add keys to the space")
-        made[alg] = Plan(args.dataset, alg, dims, list(args.seeds), args.trials, args.jobs, list(args.extra),
-                         args.val_fraction, args.objective, args.sampler_seed, startup, out)
+        made[alg] = Plan(args.dataset, alg, dims, list(args.seeds[:1]), args.trials, args.jobs, list(args.extra),
+                         args.val_fraction, args.objective, args.sampler_seed, startup, out,
+                         confirm_seeds=list(args.seeds[1:]), stability=args.stability)
     # a trial of each algorithm with its config defaults is what must validate
     configs, left_out = runnable_algorithms(
         algorithms, named=bool(args.algorithms),
@@ -1044,7 +1284,8 @@ def plans(args: argparse.Namespace) -> list[Plan]:
         plan.space = [d.resolve(cfg) for d in plan.space]
         plan.cfg = cfg
         # what makes two tunes the same study (--trials may grow and --jobs change on a resume)
-        plan.settings = {"space": [d.describe() for d in plan.space], "seeds": plan.seeds, "extra": plan.extra,
+        plan.settings = {"space": [d.describe() for d in plan.space], "seeds": plan.seeds,
+                         "confirm_seeds": plan.confirm_seeds, "stability": plan.stability, "extra": plan.extra,
                          "val_fraction": plan.val_fraction, "objective": plan.objective,
                          "sampler_seed": plan.sampler_seed, "startup": startup}
         result.append(plan)
@@ -1110,9 +1351,10 @@ def main(argv: Sequence[str] | None = None, command: Sequence[str] = TRAIN_COMMA
             slots.close(wait=False)
         if lines:
             table = ["# tune: " + args.dataset, "", f"command: `{command_line}`", "",
-                     "| algorithm | best validation acc | values | config defaults' validation acc | sampled trials | "
-                     "trials' wall time, summed (min) | at a range edge (the range may bind) |",
-                     "|---|---|---|---|---|---|---|",
+                     "| algorithm | best validation acc | confirmed on | values | config defaults' validation acc | "
+                     f"sampled trials | at {args.stability:g}x its lr | trials' wall time, summed (min) | "
+                     "at a range edge (the range may bind) |",
+                     "|---|---|---|---|---|---|---|---|---|",
                      *lines, "", f"total wall time of this invocation: {(time.perf_counter() - start) / 60:.1f} min; "
                      f"the trials' wall time summed over every invocation: {trials_wall / 60:.1f} min "
                      f"({args.jobs} at a time)"]
@@ -1152,9 +1394,13 @@ def _write_preset(plan: Plan, study, out: Path, install: Path | None, command_li
     echo(f"{plan.algorithm}: best validation acc {best.value:.4f} with {_fmt_values(best.values)} "
          f"({best.label}) -> {', '.join(map(str, written))}"
          + (f"\n  {plan.algorithm}: at a range edge, the range may bind: {'; '.join(edges)}" if edges else ""))
-    return (f"| {plan.algorithm} | {best.value:.4f} ({best.label}) | {_fmt_values(best.values)} | "
-            f"{_fmt_score(study.user_attrs.get('defaults'))} | {len(completed(study))} | {wall / 60:.1f} | "
-            f"{'; '.join(edges)} |")
+    confirmed = ", ".join(f"{v:.4f} (seed {s_})" for s_, v in best.confirmed.items()) or "not confirmed"
+    margin = best.margin or {}
+    at_margin = "" if not margin else ("DIVERGED" if margin["diverged"] else f"finite, {margin['value']:.4f}")
+    diverged = sum(1 for t in finished(study) if t.user_attrs.get("diverged"))
+    return (f"| {plan.algorithm} | {best.value:.4f} ({best.label}, seed {best.seed}) | {confirmed} | "
+            f"{_fmt_values(best.values)} | {_fmt_score(study.user_attrs.get('defaults'))} | "
+            f"{len(finished(study))} ({diverged} diverged) | {at_margin} | {wall / 60:.1f} | {'; '.join(edges)} |")
 
 
 if __name__ == "__main__":

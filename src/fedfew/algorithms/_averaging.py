@@ -16,7 +16,6 @@ The module name starts with ``_`` so the algorithm registry does not treat it as
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -154,15 +153,12 @@ class Averaging(Algorithm):
 
     def contribute(self, k: int, client: ClientSplit) -> bool:
         """Add the working copy (its :meth:`averaged` tensors) as the client's model for server
-        model k, weighted by n_i. A non-finite model is left out with a warning (or raises
-        FloatingPointError with ``fail_on_nonfinite``), as FedFew does; returns whether it
+        model k, weighted by n_i. A non-finite model is reported to the run's non-finite log and left
+        out (:mod:`fedfew.nonfinite`; FloatingPointError with ``fail_on_nonfinite``), as FedFew does; returns whether it
         was added."""
         delta = flatten_tensors(self.averaged(self.ctx.module.working)) - self._server[k]
-        if not bool(torch.isfinite(delta).all()):
-            message = f"client {client.id}: non-finite local model; it is excluded from this round's aggregation"
-            if self.ctx.cfg.get("fail_on_nonfinite", False):
-                raise FloatingPointError(message + " (fail_on_nonfinite=true)")
-            warnings.warn(message)
+        what = "local model" if self.ctx.module.K == 1 else f"local copy of model {self.ctx.module.model_ids[k]}"
+        if not self.ctx.finite_or_reported(client.id, delta, what):
             return False
         self._sum.add(k, float(self.ctx.num_train[client.id]), delta)
         return True

@@ -8,14 +8,13 @@ on the training device): each rank writes its own clients' rows and one all-redu
 That costs P x d float64 per round on each device: fine for the small models of these
 baselines, heavy for a million-parameter model with hundreds of participants.
 
-A client whose vector is not finite is reported (warning, or ``FloatingPointError`` with
-``fail_on_nonfinite``) and sends a zero row with ``valid = 0``; the server leaves it out.
+A client whose vector is not finite is reported (:mod:`fedfew.nonfinite`; ``FloatingPointError``
+with ``fail_on_nonfinite``) and sends a zero row with ``valid = 0``; the server leaves it out.
 
 The module name starts with ``_`` so the algorithm registry does not treat it as a method.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import torch
@@ -29,15 +28,10 @@ def vector_rows(d: int) -> dict[str, Callable[[int], tuple[int, ...]]]:
 
 
 def finite_or_excluded(ctx: Context, client_id: int, vector: torch.Tensor, what: str = "local model") -> bool:
-    """True when ``vector`` is finite; otherwise warn (or raise ``FloatingPointError`` when
-    ``fail_on_nonfinite`` is set) that client ``client_id`` is left out of this round."""
-    if bool(torch.isfinite(vector).all()):
-        return True
-    message = f"client {client_id}: non-finite {what}; it is excluded from this round's aggregation"
-    if ctx.cfg.get("fail_on_nonfinite", False):
-        raise FloatingPointError(message + " (fail_on_nonfinite=true)")
-    warnings.warn(message)
-    return False
+    """True when ``vector`` is finite; otherwise client ``client_id`` is reported to the run's
+    non-finite log (:meth:`Context.finite_or_reported`; ``FloatingPointError`` under
+    ``fail_on_nonfinite``) and left out of this round."""
+    return ctx.finite_or_reported(client_id, vector, what)
 
 
 def vector_row(vector: torch.Tensor, valid: bool) -> dict[str, torch.Tensor]:

@@ -41,6 +41,7 @@ from torch import nn
 
 from fedfew.data.base import ClientSplit, FederatedData
 from fedfew.module import KModelSet, state_numel
+from fedfew.nonfinite import NonFiniteLog
 
 
 @dataclass
@@ -58,6 +59,8 @@ class Context:
         host_state: per-client persistent state kept on the host (client id -> dict).
         my_clients: participants (client ids) -> those this process trains (the round loop's
             sharding); None outside the round loop (then one process trains every participant).
+        nonfinite: the run's one non-finite policy (:mod:`fedfew.nonfinite`): every non-finite
+            loss, update or personal state is reported there (default: from ``fail_on_nonfinite``).
     """
 
     cfg: DictConfig
@@ -69,6 +72,20 @@ class Context:
     autocast: Callable[[], Any] | None = None
     host_state: dict[int, dict[str, Any]] = field(default_factory=dict)
     my_clients: Callable[[list[int]], list[int]] | None = None
+    nonfinite: NonFiniteLog | None = None
+
+    def __post_init__(self) -> None:
+        if self.nonfinite is None:
+            self.nonfinite = NonFiniteLog(fatal=bool(self.cfg.get("fail_on_nonfinite", False)))
+
+    def finite_or_reported(self, client_id: int, tensor: torch.Tensor, what: str) -> bool:
+        """True when ``tensor`` is finite; otherwise report it (:meth:`NonFiniteLog.report`:
+        raises ``FloatingPointError`` under ``fail_on_nonfinite``) and return False, and the
+        caller leaves the client's contribution out of this round."""
+        if bool(torch.isfinite(tensor).all()):
+            return True
+        self.nonfinite.report(client_id, what)
+        return False
 
 
 class Algorithm:
@@ -141,9 +158,17 @@ class Algorithm:
     # -- per-client state on the host -------------------------------------------------------
 
     def save_client(self, client_id: int, **tensors: torch.Tensor) -> None:
-        """Keep ``tensors`` for client ``client_id`` between rounds, as detached CPU copies."""
+        """Keep ``tensors`` for client ``client_id`` between rounds, as detached CPU copies. A
+        non-finite one (a diverged personal model, head, APFL's v_i) is reported to
+        ``ctx.nonfinite`` (under ``fail_on_nonfinite`` that stops the run) and kept as it is.
+
+        Raises:
+            FloatingPointError: a non-finite tensor under ``fail_on_nonfinite=true``.
+        """
         slot = self.ctx.host_state.setdefault(int(client_id), {})
         for name, value in tensors.items():
+            if value.is_floating_point():
+                self.ctx.finite_or_reported(client_id, value, f"personal state '{name}'")
             slot[name] = value.detach().to("cpu", copy=True)
 
     def load_client(self, client_id: int, name: str) -> torch.Tensor | None:

@@ -72,18 +72,10 @@ from fedfew.seeding import derive_seed
 LOSS_SOURCES = ("running", "pre")
 
 
-def exclude_nonfinite_client(client_id: int, rnd: int, losses: torch.Tensor, fatal: bool) -> None:
-    """Warn that a client's loss or update is not finite (it is left out of this round), or
-    raise when ``fail_on_nonfinite`` is set.
-
-    Raises:
-        FloatingPointError: with ``fatal``.
-    """
-    message = (f"round {rnd}: client {client_id} has a non-finite loss or update (losses {losses.tolist()}); "
-               "it is excluded from this round's aggregation")
-    if fatal:
-        raise FloatingPointError(message + " (fail_on_nonfinite=true)")
-    warnings.warn(message)
+def nonfinite_models(losses: torch.Tensor, deltas: torch.Tensor) -> list[int]:
+    """Positions k whose loss (K,) or delta row (K, D) is not finite."""
+    bad = ~torch.isfinite(losses) | ~torch.isfinite(deltas).all(dim=1).to(losses.device)
+    return torch.nonzero(bad).flatten().tolist()
 
 
 @ALGORITHMS.register("fedfew")
@@ -175,8 +167,10 @@ class FedFew(Algorithm):
                                    dtype=torch.float64) for c in client_ids}
         for result in self.engine.train(jobs):
             losses = pre.get(result.client, result.losses)
-            if not (bool(torch.isfinite(losses).all()) and bool(torch.isfinite(result.deltas).all())):
-                exclude_nonfinite_client(result.client, rnd, losses, run.get("fail_on_nonfinite", False))
+            bad = nonfinite_models(losses, result.deltas)
+            if bad:  # the whole client is left out of this round (its alpha needs all K losses)
+                for k in bad:
+                    ctx.nonfinite.report(result.client, f"local copy of model {module.model_ids[k]}")
                 self._pending[result.client] = torch.full_like(losses, float("nan"))
                 continue
             log_w = client_log_weights(losses * self._loss_scale(result.client), self.mu)
@@ -203,8 +197,7 @@ class FedFew(Algorithm):
         ids = list(self.ctx.module.model_ids)  # original ids of this round's models (columns of w, loss)
         logs: dict[str, Any] = {"loss": losses, "excluded": [participants[j] for j in torch.nonzero(~valid).flatten().tolist()],
                                 "model_ids": ids, "K": K, "mu": self.mu}
-        if not bool(valid.any()):
-            warnings.warn(f"round {rnd}: every participating client was excluded; the models keep their parameters")
+        if not bool(valid.any()):  # nothing finite arrived (the round loop counts such rounds: fedfew.nonfinite)
             self._accumulator = None
             return {**logs, "g": float("nan"), "alpha": alpha, "w": w, "assignment": torch.zeros(len(participants), dtype=torch.long),
                     "effective_step": torch.zeros(K, dtype=torch.float64)}

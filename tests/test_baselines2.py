@@ -38,7 +38,7 @@ from fedfew.seeding import derive_seed
 from conftest import CONF_DIR, compose_config
 from test_baselines import client_xy, close, flat, manual_sgd, small_sim
 
-NEW = ("fedamp", "fedmtl", "cfl", "fedsoft", "fedmgda")
+NEW = ("fedamp", "fedmtl", "cfl", "fedsoft", "fedmgda", "fedem")
 
 
 def with_flat(model: nn.Module, vector: torch.Tensor) -> nn.Module:
@@ -78,6 +78,7 @@ def test_communication_per_client_and_round():
     assert comm["fedamp"] == comm["fedmtl"] == comm["fedmgda"] == (24, 24)
     assert comm["cfl"] == (24, 24)              # its cluster's model only, whatever max_clusters
     assert comm["fedsoft"] == (24 + 3, 3 * 24)  # up: w_i and u_i; down: the K = 3 centres
+    assert comm["fedem"] == (3 * 24, 3 * 24)    # the K = 3 components both ways; pi_i stays on the client
 
 
 @pytest.mark.parametrize("algorithm,override,needle", [
@@ -473,6 +474,7 @@ def test_fedmtl_mean_counts_absent_clients_with_the_initial_model(tmp_path, cpu_
     ("cfl", ("algorithm.warmup=3",)),
     ("fedsoft", ()),
     ("fedmgda", ()),
+    ("fedem", ()),
 ])
 def test_end_to_end_on_digits_beats_the_majority_label(tmp_path, cpu_fabric, algorithm, overrides):
     sim = small_sim(tmp_path, cpu_fabric, algorithm, "rounds=8", "eval_every=8", *overrides)

@@ -230,6 +230,7 @@ def flat_data(sizes: list[int], features: int = 64, classes: int = 4, test: int 
     ("fedfew", ("algorithm.K=2", "engine=vmap"), 2),
     ("fedavg", (), 2),
     ("apfl", (), 2),
+    ("fedem", ("algorithm.K=2",), 2),
     ("fedrep", ("algorithm.head_epochs=1",), 3),  # 1 head epoch + 2 body epochs (the body's BatchNorm runs in both)
 ])
 def test_33_samples_at_batch_32_train_as_one_batch_of_33(tmp_path, cpu_fabric, algorithm, overrides, batches):

@@ -134,6 +134,15 @@ class _FineTuned:
         return F.cross_entropy(self.working(x), y)
 
 
+def same_shapes(a: nn.Module, b: nn.Module) -> bool:
+    """Whether ``a`` and ``b`` hold parameters and buffers of the same shapes, in the same order
+    (so :func:`fedfew.module.copy_parameters_` copies one into the other whole)."""
+    def shapes(m: nn.Module) -> list[tuple[int, ...]]:
+        return [tuple(t.shape) for t in (*m.parameters(), *m.buffers())]
+
+    return shapes(a) == shapes(b)
+
+
 def finetune_copy(model: nn.Module, scratch: nn.Module, ctx: Context, client: ClientSplit, rnd: int,
                   epochs: int) -> nn.Module:
     """``scratch`` loaded with ``model``'s weights and fine-tuned for ``epochs`` local epochs
@@ -247,7 +256,9 @@ def evaluate_clients(
             model = candidates[best]
             if protocol in _FINETUNES:
                 if tuned is None:
-                    tuned = finetune_copy(model, scratch, ctx, client, rnd, settings.finetune_epochs)
+                    # a candidate of another shape (FedEM's mixture of the K models) is copied whole
+                    own = scratch if same_shapes(model, scratch) else copy.deepcopy(model)
+                    tuned = finetune_copy(model, own, ctx, client, rnd, settings.finetune_epochs)
                 model = tuned
             preds, labels = predict(model, ctx.data, scored)
             correct, balanced, f1 = client_metrics(preds, labels, ctx.data.num_classes)

@@ -34,6 +34,10 @@ def test_default_config_is_valid():
         ("optim.name=rmsprop", "optim.name='rmsprop': allowed sgd | adam | adamw"),
         ("engine=jit", "engine='jit': allowed loop | vmap"),
         ("engine=vmap optim.name=adam", "engine=vmap with optim.name='adam'"),
+        ("algorithm=fedavg engine=vmap", "engine=vmap with algorithm=fedavg: only fedfew and fedfew_reference train "
+                                         "through an engine; fedavg trains with its own loop and would ignore "
+                                         "engine=vmap; use engine=loop (the default) or algorithm=fedfew"),
+        ("algorithm=ifca compile=aot_eager", "compile=aot_eager with algorithm=ifca: only fedfew and fedfew_reference"),
         ("algorithm=oracle algorithm.K=3", "algorithm=oracle with algorithm.K=3 and partition.groups=4"),
         ("optim.schedule=linear", "optim.schedule='linear': allowed constant | exponential | cosine"),
         ("optim.gamma=0.0", "optim.gamma=0.0: allowed number in (0, 1]"),
@@ -58,6 +62,20 @@ def test_rule_choices_match_the_registries():
         assert all(rules[key].check(name) for name in names), key
         assert not rules[key].check("not-a-" + key), key
         assert " | ".join(names) in rules[key].allowed, key
+
+
+def test_engine_methods_are_read_from_the_sources_as_the_classes_say():
+    """validate_config reads ``uses_engine`` from the algorithms' sources (no torch); what it reads
+    is what the imported classes say, for every algorithm (inherited values included)."""
+    from fedfew.algorithms import ALGORITHMS
+    from fedfew.registry import declared, registered_names
+
+    assert registered_names("fedfew.algorithms") == ALGORITHMS.names()
+    read = {name: declared("fedfew.algorithms", name, "uses_engine") for name in ALGORITHMS.names()}
+    assert read == {name: ALGORITHMS.get(name).uses_engine for name in ALGORITHMS.names()}
+    assert {name for name, uses in read.items() if uses} == {"fedfew", "fedfew_reference"}
+    assert declared("fedfew.algorithms", "no_such_method", "uses_engine", "absent") == "absent"
+    validate_config(compose_config("algorithm=fedfew_reference", "engine=vmap", "compile=aot_eager"))
 
 
 def test_all_problems_reported_at_once():

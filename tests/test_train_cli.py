@@ -14,10 +14,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def train(*overrides: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def train(*overrides: str, env: dict | None = None, timeout: int = 600,
+          flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``python [flags] -m fedfew.train <overrides>`` in the checkout, W&B off."""
     full_env = {**os.environ, "WANDB_MODE": "disabled", **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "fedfew.train", *overrides], cwd=ROOT, env=full_env,
+        [sys.executable, *flags, "-m", "fedfew.train", *overrides], cwd=ROOT, env=full_env,
         capture_output=True, text=True, timeout=timeout,
     )
 
@@ -91,6 +93,41 @@ def test_invalid_values_stop_before_training(tmp_path, override, key):
     assert key in proc.stderr
     assert time.perf_counter() - start < 60
     assert not (run_dir / "metrics.csv").exists() and not run_dir.exists()
+
+
+@pytest.mark.parametrize("overrides,said", [
+    (["optim.lr=-1"], "  optim.lr=-1: allowed number > 0"),
+    (["algorithm=fedavg", "engine=vmap"], "  engine=vmap with algorithm=fedavg: "),
+])
+def test_bad_values_are_reported_before_torch_is_imported(tmp_path, overrides, said):
+    """The value checks run before anything imports torch or Lightning (which takes seconds):
+    ``-X importtime`` lists every module the process imported, and neither is among them."""
+    run_dir = tmp_path / "run"
+    proc = train(f"hydra.run.dir={run_dir}", *overrides, flags=("-X", "importtime"), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    report = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert report[0] == "error: invalid configuration:" and said in "\n".join(report)
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert {"fedfew.config", "hydra", "omegaconf"} <= imported  # the list is complete...
+    assert not {"torch", "lightning"} & imported  # ...and holds neither
+    assert not run_dir.exists()
+
+
+def test_preset_warning_only_once_and_only_after_every_check_passed(tmp_path):
+    """A run that changes the setup is told once that its preset was tuned for another one, and
+    only when it trains: a run that stops on bad input (here an impossible partition, found while
+    loading the data) is told only what stops it."""
+    warned = "preset conf/tuned/digits_fedfew.yaml was tuned for another setup ("
+    proc = train(f"hydra.run.dir={tmp_path / 'bad'}", "rounds=2", "num_clients=1000", "logger=none",
+                 "trainer.threads=1", timeout=120)
+    assert proc.returncode == 2 and "error: clustered partition: client 199 has 1 sample(s)" in proc.stderr
+    assert warned not in proc.stdout + proc.stderr
+    proc = train(f"hydra.run.dir={tmp_path / 'good'}", "rounds=1", "num_clients=4", "logger=none",
+                 "trainer.threads=1", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (proc.stdout + proc.stderr).count(warned) == 1
+    note = json.loads((tmp_path / "good" / "results.json").read_text())["preset"]["note"]
+    assert note.startswith(warned) and "(num_clients: 20 in the preset, 4 here; rounds: 50 in the preset, 1 here)" in note
 
 
 def test_agnews_without_data_fails_fast_and_cleanly(tmp_path):

@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, ListConfig
 
+from fedfew.registry import declared, registered_names
+
 
 class ConfigError(ValueError):
     """One or more config values are out of range; the message lists key, value and range."""
@@ -26,6 +28,21 @@ def _is_list(v: Any) -> bool:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+#: the package whose modules implement ``algorithm=<name>``
+ALGORITHMS = "fedfew.algorithms"
+
+
+def _uses_engine(algorithm: str) -> bool:
+    """Whether ``algorithm`` trains through an engine (its class's ``uses_engine``, read from the
+    source: validation imports no torch)."""
+    return bool(declared(ALGORITHMS, algorithm, "uses_engine", False))
+
+
+def _text(value: Any) -> str:
+    """A value as it is written on the command line (``true``, ``vmap``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _scheme(cfg: DictConfig) -> str:
@@ -231,6 +248,13 @@ def validate_config(cfg: DictConfig) -> None:
     if engine == "vmap" and optimizer not in (_MISSING, "sgd"):
         problems.append(f"  engine=vmap with optim.name={optimizer!r}: the vmap engine implements SGD only; "
                         "use engine=loop or optim.name=sgd")
+    algorithm, compiled = _lookup(cfg, "algorithm.name"), _lookup(cfg, "compile")
+    for key, value, default in (("engine", engine, "loop"), ("compile", compiled, False)):
+        if value not in (_MISSING, default) and isinstance(algorithm, str) and not _uses_engine(algorithm):
+            users = [name for name in registered_names(ALGORITHMS) if _uses_engine(name)]
+            problems.append(f"  {key}={_text(value)} with algorithm={algorithm}: only {' and '.join(users)} train "
+                            f"through an engine; {algorithm} trains with its own loop and would ignore "
+                            f"{key}={_text(value)}; use {key}={_text(default)} (the default) or algorithm={users[0]}")
     lr, min_lr = _lookup(cfg, "optim.lr"), _lookup(cfg, "optim.min_lr")
     if _is_number(lr) and _is_number(min_lr) and min_lr > lr:
         problems.append(f"  optim.min_lr={min_lr!r} > optim.lr={lr!r}: the cosine schedule anneals from optim.lr "
@@ -267,6 +291,8 @@ def rules_markdown() -> str:
     lines.append("| `algorithm=oracle` vs `partition` | the oracle needs partition=clustered |")
     lines.append("| `algorithm=fedbn` vs `model.norm` | fedbn needs BatchNorm layers: model.norm=batch (mlp, cnn) |")
     lines.append("| `engine` vs `optim.name` | engine=vmap needs optim.name=sgd |")
+    lines.append("| `engine`, `compile` vs `algorithm` | engine=vmap and compile need a method that trains through an "
+                 "engine (fedfew, fedfew_reference) |")
     lines.append("| `eval.split` vs `partition.val_fraction`, `eval.protocol` | split=val needs val_fraction > 0 and "
                  "protocol final or finetune |")
     lines.append("| `optim.min_lr` vs `optim.lr` | min_lr <= lr (the cosine schedule anneals from lr down to min_lr) |")

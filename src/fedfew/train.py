@@ -1,6 +1,7 @@
 """Command-line entry point: ``python -m fedfew.train [hydra overrides]`` (``make train``)."""
 from __future__ import annotations
 
+import logging
 import shutil
 import signal
 import sys
@@ -50,17 +51,9 @@ def check_registered(kind: str, package: str, name: str) -> None:
     Raises:
         ValueError: unknown name; the message lists the available ones, as ``Registry.get`` does.
     """
-    import importlib.util
-    import pkgutil
+    from fedfew.registry import registered_names
 
-    spec = importlib.util.find_spec(package)  # imports the parent packages only
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    available = sorted(
-        info.name for info in pkgutil.iter_modules(locations)
-        if not info.name.startswith("_") and any(
-            f'register("{info.name}")' in (Path(loc) / f"{info.name}.py").read_text(encoding="utf-8")
-            for loc in locations if (Path(loc) / f"{info.name}.py").is_file())
-    )
+    available = registered_names(package)
     if name not in available:
         raise ValueError(f"unknown {kind} '{name}'; available: {', '.join(available)} (set `{kind}=<one of these>`)")
 
@@ -113,7 +106,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             unknown name or a bad checkpoint) before any training.
     """
     try:
-        checked = preflight(cfg, run_dir)  # before any data is loaded
+        checked = preflight(cfg, run_dir)  # before any data is loaded, and before torch is imported (< 2 s)
+        _quiet_console()  # imports Lightning (and torch): seconds
         import torch
 
         from fedfew.data.federated import build_federated_data
@@ -121,18 +115,20 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
         if cfg.trainer.get("threads"):
             torch.set_num_threads(int(cfg.trainer.threads))
-        preset = _preset(cfg)
         data = build_federated_data(cfg)  # fails fast on missing files / impossible partitions
         fabric = make_fabric(cfg, run_dir)
         fabric.launch()
         sim = Simulation(cfg, fabric, run_dir, data=data)
-        sim.preset = preset
         if checked.state is not None:
             sim.load_state_dict(checked.state)
             if fabric.global_rank == 0:
                 print(f"resumed from {checked.resume_from} at round {sim.start_round}", flush=True)
                 if checked.note:
                     print(checked.note, flush=True)
+        sim.preset = _preset(cfg)
+        if sim.preset is not None and sim.preset["note"] and fabric.global_rank == 0:
+            # only now: a run that stops on bad input never reaches its preset; once, from rank 0
+            logging.getLogger(__name__).warning(sim.preset["note"])
     except (ValueError, FileNotFoundError) as err:  # ConfigError, DataNotFoundError, PartitionError, ...
         raise SetupError(str(err)) from err
     return sim.fit()  # errors from here on are bugs or crashes: full traceback
@@ -142,10 +138,9 @@ def _preset(cfg: DictConfig) -> dict[str, Any] | None:
     """The tuned preset the run composed, for results.json's ``preset``: ``tuned`` (Hydra's choice,
     e.g. ``digits_fedfew``, or None under ``~tuned``, where make compare and make tune pass a
     preset's values as overrides instead), ``tuned_for_this_setup`` (bool, or None when the preset
-    records no setup or there is none) and ``note``. Logs the note as a warning when the preset was
-    tuned for another setup or method (:func:`fedfew.tune.preset_note`). None outside Hydra."""
-    import logging
-
+    records no setup or there is none) and ``note`` (:func:`fedfew.tune.preset_note`: what differs
+    when the preset was tuned for another setup or method; :func:`run` logs it as a warning once
+    every check has passed). None outside Hydra."""
     from fedfew.tune import TUNED_DIR, preset_matches, preset_note
 
     try:
@@ -155,8 +150,6 @@ def _preset(cfg: DictConfig) -> dict[str, Any] | None:
     path = TUNED_DIR / f"{choice}.yaml" if choice else None
     exists = path is not None and path.is_file()
     note = preset_note(choice, cfg)
-    if note:
-        logging.getLogger(__name__).warning(note)
     return {"tuned": choice if exists else None,
             "tuned_for_this_setup": preset_matches(path, cfg) if exists else None, "note": note}
 
@@ -190,7 +183,6 @@ def _quiet_console() -> None:
     only (no second set of banners), and outside a Slurm allocation Lightning's warning that
     `srun` exists but is not used is dropped (we launch the processes ourselves; inside an
     allocation it stays)."""
-    import logging
     import os
     import warnings
 
@@ -208,7 +200,6 @@ def _quiet_console() -> None:
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    _quiet_console()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     fresh = _only_hydra_files(run_dir)
     try:

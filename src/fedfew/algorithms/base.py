@@ -104,6 +104,12 @@ class Algorithm:
     watch_collapse: bool = False
     collapse_hint: str = ""
 
+    #: whether local training goes through an engine (top-level ``engine``, ``compile``;
+    #: :mod:`fedfew.engines`): FedFew and its reference config. Any other method trains with its own
+    #: loop, so ``engine=vmap`` is refused for it (:func:`fedfew.config.validate_config`, which reads
+    #: this literal from the source without importing the module: :func:`fedfew.registry.declared`)
+    uses_engine: bool = False
+
     def __init__(self, cfg: DictConfig, ctx: Context) -> None:
         self.cfg = cfg
         self.ctx = ctx

@@ -83,6 +83,7 @@ class FedFew(Algorithm):
     """FedFew with STCH-Set weights (see module docstring)."""
 
     row_shapes = {"loss": lambda K: (K,)}
+    uses_engine = True
     watch_collapse = True
     collapse_hint = ("Keys that help: algorithm.normalize=true (each model moves by the weighted mean of its deltas; "
                      "the reference's rule makes the K models share one step), a larger algorithm.mu (softer w), "

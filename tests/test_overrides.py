@@ -3,6 +3,8 @@ rejected before any compute naming the closest valid key; ``++`` adds a key on p
 partition errors name only fixes that can work."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -26,11 +28,13 @@ def test_closest_key(key, expected):
     assert closest_key(key, keys)[0] == expected
 
 
-def test_bare_unknown_key_names_the_nested_one():
+def test_bare_unknown_key_names_the_nested_one(monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/opt/my env/bin/python")
     text = message("mu=-1")
     assert "mu=-1: no config defines mu; closest valid key: algorithm.mu (e.g. algorithm.mu=-1)" in text
     assert "+mu" not in text  # not Hydra's hint, which trains with the key ignored
     assert "++<key>=<value>" in text  # the documented escape
+    assert text.endswith("(see every key with: '/opt/my env/bin/python' -m fedfew.train --cfg job)")
 
 
 def test_added_keys_no_config_defines_are_rejected():

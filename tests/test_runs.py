@@ -76,15 +76,32 @@ def test_committed_text_names_no_absolute_path_of_the_machine(tmp_path):
     assert runs.portable_command(["python", "-m", "x", "data_dir=/d"]) == "python -m x 'data_dir=<data_dir>'"
 
 
+def test_printed_commands_name_the_running_interpreter(tmp_path, monkeypatch):
+    """A printed ``python -m fedfew...`` command runs as shown without an activated venv: it names
+    the interpreter that runs, relative to the working directory when that is shorter."""
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    assert runs.python_command("fedfew.plots") == ".venv/bin/python -m fedfew.plots"
+    monkeypatch.chdir(bin_dir)
+    assert runs.python_command("fedfew.plots") == "./python -m fedfew.plots"  # not a PATH lookup
+    monkeypatch.setattr(sys, "executable", "/opt/my env/bin/python3")  # shorter than ../../../../opt/...
+    assert runs.python_command("fedfew.train") == "'/opt/my env/bin/python3' -m fedfew.train"
+    monkeypatch.setattr(sys, "executable", "")  # no interpreter path known (embedded Python)
+    assert runs.python_command("fedfew.train") == "python -m fedfew.train"
+
+
 def test_where_lines_name_the_folder_notebook_and_plots(tmp_path, monkeypatch):
     run_dir = tmp_path / "outputs" / "digits" / "fedfew" / "2026-01-01_12-00-00_K-5"
     monkeypatch.chdir(tmp_path)  # not the checkout: the notebook command works from anywhere
+    monkeypatch.setattr(sys, "executable", str(tmp_path / ".venv" / "bin" / "python"))
     lines = runs.where_lines(run_dir)
     assert lines == ["run folder: outputs/digits/fedfew/2026-01-01_12-00-00_K-5",
-                     "  notebook: python -m fedfew.notebook outputs/digits/fedfew/2026-01-01_12-00-00_K-5   "
+                     "  notebook: .venv/bin/python -m fedfew.notebook outputs/digits/fedfew/2026-01-01_12-00-00_K-5   "
                      "(writes analysis.html there)",
                      "  plots:    outputs/digits/fedfew/2026-01-01_12-00-00_K-5/plots   "
-                     "(redraw: python -m fedfew.plots outputs/digits/fedfew/2026-01-01_12-00-00_K-5)"]
+                     "(redraw: .venv/bin/python -m fedfew.plots outputs/digits/fedfew/2026-01-01_12-00-00_K-5)"]
     monkeypatch.chdir(runs.CHECKOUT)
     assert runs.where_lines(run_dir)[1].startswith(f"  notebook: make notebook RUN={run_dir}")
     stopped = runs.where_lines(run_dir, finished=False)
@@ -100,6 +117,7 @@ def results(acc=(0.5, 1.0)):
 
 def test_end_of_run_prints_headline_figures_speeds_and_where(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "executable", "/opt/venv/bin/python")
     print_client_table(results(), run_dir=tmp_path / "run")
     out = capsys.readouterr().out.splitlines()
     i = out.index("client-mean acc 0.7500 ± 0.2500 (min 0.5000, max 1.0000); sample-weighted 0.7500; "
@@ -108,7 +126,7 @@ def test_end_of_run_prints_headline_figures_speeds_and_where(tmp_path, capsys, m
         "models serving clients: 2 of 2 (clients per model [1, 1])",
         "speed: wall 0.25 s/round (training, evaluation, logging); train 0.12 s/round (local training and aggregation)",
         "run folder: run",
-        "  notebook: python -m fedfew.notebook run   (writes analysis.html there)",
+        "  notebook: /opt/venv/bin/python -m fedfew.notebook run   (writes analysis.html there)",
     ]
 
 

@@ -130,6 +130,16 @@ def test_preset_warning_only_once_and_only_after_every_check_passed(tmp_path):
     assert note.startswith(warned) and "(num_clients: 20 in the preset, 4 here; rounds: 50 in the preset, 1 here)" in note
 
 
+def test_continue_command_names_the_running_interpreter(tmp_path, monkeypatch):
+    """"continue with: ..." (a stopped run) works without an activated venv: this interpreter."""
+    from fedfew.train import _continue_command
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "executable", "/opt/my env/bin/python")
+    assert _continue_command(tmp_path / "run") == (
+        f"'/opt/my env/bin/python' -m fedfew.train hydra.run.dir={tmp_path / 'run'} resume=auto")
+
+
 def test_agnews_without_data_fails_fast_and_cleanly(tmp_path):
     run_dir = tmp_path / "run"
     empty = tmp_path / "empty"

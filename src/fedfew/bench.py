@@ -536,7 +536,9 @@ def devices_run(data_dir: str | None, devices: int, rounds: int, participants: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedfew.bench", description=__doc__.split("\n\n")[0])
+    from fedfew.runs import python_command
+
+    parser = argparse.ArgumentParser(prog=python_command("fedfew.bench"), description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true", help="the paper's sizes (default on a GPU)")
     parser.add_argument("--small", action="store_true", help="the small default sizes even on a GPU")
     parser.add_argument("--out", default="outputs/bench", help="folder for bench.json and bench.md")

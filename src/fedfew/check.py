@@ -82,6 +82,7 @@ def check_data(cfg: DictConfig) -> list[Path]:
     import importlib
 
     from fedfew.data.base import DataNotFoundError, resolve_data_dir
+    from fedfew.runs import python_command
 
     name = cfg.dataset.name
     data_dir = resolve_data_dir(cfg.data_dir)
@@ -97,9 +98,9 @@ def check_data(cfg: DictConfig) -> list[Path]:
             f" (the data directory {data_dir} does not exist here)"
         raise DataNotFoundError(
             f"{err}\nThe job would not find its data{missing}. With make slurm, DATA_DIR=<folder> names "
-            f"the data directory (python -m fedfew.check: data_dir=<folder>). If the files exist only on "
-            f"the compute nodes, or the job downloads them, skip this check: make slurm DATA_ON_NODES=1 "
-            f"({DATA_ON_NODES} for scripts/slurm/render.py and python -m fedfew.check)."
+            f"the data directory ({python_command('fedfew.check')}: data_dir=<folder>). If the files exist only "
+            f"on the compute nodes, or the job downloads them, skip this check: make slurm DATA_ON_NODES=1 "
+            f"({DATA_ON_NODES} for scripts/slurm/render.py and {python_command('fedfew.check')})."
         ) from err
 
 

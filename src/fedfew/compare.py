@@ -62,7 +62,7 @@ from fedfew.launch import (FAILED_RESULTS, Busy, check_not_training, exclusive, 
                            recorded_overrides, refused_checkpoint, tidy)
 from fedfew.nonfinite import DIVERGED_EXIT
 from fedfew.partition_report import partition_scheme
-from fedfew.runs import data_mismatch, diverged_clients, portable_command, portable_path
+from fedfew.runs import data_mismatch, diverged_clients, portable_command, portable_path, python_command
 
 MAJORITY = "majority label"
 """Name of the reference row: every client predicts the most frequent label of its train split."""
@@ -879,7 +879,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
-    parser = argparse.ArgumentParser(prog="python -m fedfew.compare", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=python_command("fedfew.compare"), description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", default="digits", help="dataset config value (default digits)")
     parser.add_argument("--algorithms", nargs="+", default=None,
                         help="algorithm config values (default: every registered one that can run on the setup)")

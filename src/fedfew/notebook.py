@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from fedfew.io import atomic_write_text
+from fedfew.runs import python_command
 
 #: the notebook of the checkout (editable install: src/fedfew -> repository root)
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "analysis.ipynb"
@@ -82,7 +83,7 @@ def render(run: str | Path, out: str | Path | None = None, notebook: str | Path 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m fedfew.notebook RUN [--out FILE] [--timeout S]``; prints the HTML's path."""
-    parser = argparse.ArgumentParser(prog="python -m fedfew.notebook",
+    parser = argparse.ArgumentParser(prog=python_command("fedfew.notebook"),
                                      description="Execute notebooks/analysis.ipynb on a run (or a folder of runs) into HTML.")
     parser.add_argument("run", help="a run folder, or a folder of runs (a make compare output, a multirun folder)")
     parser.add_argument("--out", help="the HTML file (default: <run>/analysis.html)")

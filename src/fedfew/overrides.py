@@ -137,11 +137,13 @@ def check_overrides(overrides: list[str], config_name: str = "config", config_di
     finally:
         restore_gh_from_backup(backup)
     if problems:
+        from fedfew.runs import python_command
+
         raise UnknownKeyError(
             "unknown config key(s); no config defines them, so they would change nothing:\n"
             + "\n".join(f"  {line}" for line in problems.values())
             + "\nto add a key on purpose, force-add it: ++<key>=<value> (see every key with: "
-              "python -m fedfew.train --cfg job)"
+              f"{python_command('fedfew.train')} --cfg job)"
         )
 
 

@@ -405,7 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m fedfew.plots RUN_DIR [ROUND ...]``: (re)draw the PNGs of a run."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m fedfew.plots RUN_DIR [ROUND ...]  (w/L heatmaps at ROUNDs; default first, middle, last)")
+        from fedfew.runs import python_command
+
+        print(f"usage: {python_command('fedfew.plots')} RUN_DIR [ROUND ...]  "
+              "(w/L heatmaps at ROUNDs; default first, middle, last)")
         return 0 if argv else 2
     run_dir = Path(argv[0])
     if not (run_dir / "history.json").exists():

@@ -270,6 +270,28 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver(RESOLVER, lambda overrides: run_suffix(list(overrides or [])))
 
 
+def python_command(module: str) -> str:
+    """``<python> -m <module>``, for a command printed on the console: ``<python>`` is the running
+    interpreter (:data:`sys.executable`: a bare ``python`` fails outside an activated venv),
+    relative to the working directory when that is shorter (``.venv/bin/python`` in the checkout),
+    quoted for a shell. Console output only: committed text (a preset's header, compare.md)
+    records ``python -m ...`` (:func:`portable_command`), never a path of this machine.
+
+    >>> python_command("fedfew.plots").endswith("python -m fedfew.plots")
+    True
+    """
+    import shlex
+
+    python = sys.executable or "python"
+    if os.path.isabs(python):
+        try:
+            relative = os.path.relpath(python)
+        except ValueError:  # another drive (Windows)
+            relative = python
+        python = min(python, relative if os.sep in relative else f".{os.sep}{relative}", key=len)
+    return f"{shlex.quote(python)} -m {module}"
+
+
 def display_path(path: str | Path) -> str:
     """``path`` relative to the working directory when it lies below it, else absolute."""
     path = Path(path).absolute()
@@ -283,15 +305,16 @@ def where_lines(run_dir: str | Path, finished: bool = True) -> list[str]:
     """The lines printed at the end of a run (rank 0): its folder and the commands that open
     its notebook (a finished run only: the notebook reads results.json) and redraw its plots.
     The notebook command is ``make notebook RUN=...`` when the working directory is the
-    checkout (where the Makefile is), else ``python -m fedfew.notebook ...``."""
+    checkout (where the Makefile is), else ``<python> -m fedfew.notebook ...``; ``<python>`` is
+    the interpreter that runs (:func:`python_command`)."""
     shown = display_path(run_dir)
     lines = [f"run folder: {shown}" + ("" if finished else "   (stopped early: metrics.csv, history.json and plots "
                                                            "hold the rounds so far)")]
     if finished:
         here = Path.cwd().resolve() == CHECKOUT and (CHECKOUT / "Makefile").is_file()
-        command = f"make notebook RUN={shown}" if here else f"python -m fedfew.notebook {shown}"
+        command = f"make notebook RUN={shown}" if here else f"{python_command('fedfew.notebook')} {shown}"
         lines.append(f"  notebook: {command}   (writes analysis.html there)")
-    lines.append(f"  plots:    {shown}/plots   (redraw: python -m fedfew.plots {shown})")
+    lines.append(f"  plots:    {shown}/plots   (redraw: {python_command('fedfew.plots')} {shown})")
     return lines
 
 
@@ -508,7 +531,7 @@ def default_roots() -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m fedfew.runs [ROOT ...] [--limit N | --all]``: the table of past runs."""
-    parser = argparse.ArgumentParser(prog="python -m fedfew.runs", description="List fedfew runs, newest first.")
+    parser = argparse.ArgumentParser(prog=python_command("fedfew.runs"), description="List fedfew runs, newest first.")
     parser.add_argument("roots", nargs="*", help="folders to search (default: $FEDFEW_OUTPUT_DIR, else outputs and multirun)")
     parser.add_argument("--limit", type=int, default=30, help="newest N runs (default 30)")
     parser.add_argument("--all", action="store_true", help="every run")

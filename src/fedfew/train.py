@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from fedfew.checkpoint import check_resume_config, checkpoint_path, load_checkpoint, resolve_resume
 from fedfew.config import validate_config
-from fedfew.runs import register_resolvers
+from fedfew.runs import python_command, register_resolvers
 
 register_resolvers()  # ${fedfew.run_suffix:...} in hydra.run.dir (run folder names)
 
@@ -155,7 +155,8 @@ def _preset(cfg: DictConfig) -> dict[str, Any] | None:
 
 
 def _continue_command(run_dir: Path) -> str:
-    """The command that resumes this run: its own overrides, its folder and ``resume=auto``."""
+    """The command that resumes this run: this interpreter (:func:`fedfew.runs.python_command`),
+    the run's own overrides, its folder and ``resume=auto``."""
     import shlex
 
     try:
@@ -163,7 +164,7 @@ def _continue_command(run_dir: Path) -> str:
     except ValueError:  # not under Hydra
         task = []
     keep = [o for o in task if not o.lstrip("+~").startswith(("hydra.run.dir=", "resume="))]
-    return " ".join(["python -m fedfew.train", *map(shlex.quote, keep), shlex.quote(f"hydra.run.dir={run_dir}"),
+    return " ".join([python_command("fedfew.train"), *map(shlex.quote, keep), shlex.quote(f"hydra.run.dir={run_dir}"),
                      "resume=auto"])
 
 

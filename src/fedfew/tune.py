@@ -76,7 +76,7 @@ from fedfew.io import atomic_write_text
 from fedfew.launch import (Busy, check_not_training, exclusive, launch, outcome, pass_signals_on, progress,
                            refused_checkpoint, stopped_exit_code, tidy)
 from fedfew.partition_report import partition_scheme
-from fedfew.runs import diverged_clients, portable_command, portable_overrides
+from fedfew.runs import diverged_clients, portable_command, portable_overrides, python_command
 from fedfew.seeding import derive_seed
 
 CONFIG_DIR = Path(__file__).resolve().parent / "conf"
@@ -1186,7 +1186,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
-    parser = argparse.ArgumentParser(prog="python -m fedfew.tune", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=python_command("fedfew.tune"), description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", default="digits", help="dataset config value (default digits)")
     parser.add_argument("--algorithms", nargs="+", required=False, default=None,
                         help="algorithm config values (default: every registered one that can run on the setup)")
@@ -1369,7 +1369,7 @@ def main(argv: Sequence[str] | None = None, command: Sequence[str] = TRAIN_COMMA
                             + (f"\n\n(the presets of the other algorithms are written to {out / 'presets'})" if lines else ""))
         if install is None:
             echo(f"presets written to {out / 'presets'} only (--install no); use them with "
-                 f"make compare PRESETS={out / 'presets'} (or python -m fedfew.compare --presets ...)")
+                 f"make compare PRESETS={out / 'presets'} (or {python_command('fedfew.compare')} --presets ...)")
         elif install != TUNED_DIR:
             echo(f"presets installed in {install} (the overrides {setup_changing(args.extra)} change the setup): "
                  "make compare with the same overrides uses them; make train with tuned="

@@ -343,6 +343,16 @@ def test_algorithms_that_cannot_run_are_named_or_left_out_before_any_run(tmp_pat
     kept, left_out = tune.runnable_algorithms(
         ["oracle", "fedfew"], named=False, overrides_of=lambda alg: [f"algorithm={alg}", "algorithm.K=5"])
     assert list(kept) == ["fedfew"] and "algorithm.K=5 and partition.groups=4" in left_out[0]
+    # a partition key the setup ignores changes nothing for any method: refused, before any run
+    with pytest.raises(CompareError, match=r"partition.alpha=0.1: the chosen partition=clustered \(within=iid\) "):
+        compare.main(["--out", str(tmp_path), "--", "partition.alpha=0.1"])
+    # engine=vmap is FedFew's: the default list leaves out the methods that would ignore it
+    kept, left_out = tune.runnable_algorithms(
+        ["fedfew", "fedavg", "fedfew_reference"], named=False, overrides_of=lambda alg: [f"algorithm={alg}", "engine=vmap"])
+    assert list(kept) == ["fedfew", "fedfew_reference"]
+    assert left_out == ["fedavg (invalid configuration: engine=vmap with algorithm=fedavg: only fedfew and "
+                        "fedfew_reference train through an engine; fedavg trains with its own loop and would ignore "
+                        "engine=vmap; use engine=loop (the default) or algorithm=fedfew)"]
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from fedfew.overrides import UnknownKeyError, check_overrides, closest_key, has_key
+from fedfew.overrides import IgnoredKeyError, UnknownKeyError, check_overrides, closest_key, has_key
 from test_train_cli import train
 
 
@@ -60,6 +60,45 @@ def test_every_swept_group_choice_is_checked():
     text = message("algorithm=fedfew,fedavg", "algorithm.K=3")
     assert "algorithm.K=3: algorithm=fedavg has no key algorithm.K (it exists for algorithm=" in text
     check_overrides(["algorithm=fedfew,ifca", "algorithm.K=3"])
+
+
+IGNORED = ("config key(s) that the chosen settings ignore, so they would change nothing (and their values are never "
+           "checked):\n")
+
+
+def test_keys_the_chosen_partition_ignores_are_refused_by_name():
+    """digits' default split is clustered with within=iid: partition.alpha exists there (for
+    within=dirichlet) but nothing reads it, so alpha=0 would train 50 rounds with the value never
+    checked; the error names the split that ignores it and the ones that use it."""
+    with pytest.raises(IgnoredKeyError) as err:
+        check_overrides(["partition.alpha=0"])
+    assert str(err.value) == IGNORED + (
+        "  partition.alpha=0: the chosen partition=clustered (within=iid) ignores it; partition.alpha is used by "
+        "partition=dirichlet, or partition=clustered with partition.within=dirichlet: drop it, or choose one of those")
+    with pytest.raises(IgnoredKeyError) as err:
+        check_overrides(["partition.within=dirichlet", "partition.classes_per_client=3", "partition.min_size=5"])
+    assert str(err.value) == IGNORED + (
+        "  partition.classes_per_client=3: the chosen partition=clustered (within=dirichlet) ignores it; "
+        "partition.classes_per_client is used by partition=pathological, or partition=clustered with "
+        "partition.within=pathological: drop it, or choose one of those")  # min_size: dirichlet's, used
+    # where the chosen split uses them they pass (their values are validate_config's to judge)
+    check_overrides(["partition.within=dirichlet", "partition.alpha=0"])
+    check_overrides(["partition=dirichlet", "partition.alpha=0.1", "partition.min_size=5", "partition.max_retries=9"])
+    check_overrides(["partition.within=pathological", "partition.classes_per_client=3", "partition.groups=2"])
+    check_overrides(["dataset=femnist", "partition.client_sample=random"])  # femnist's split is natural
+    check_overrides(["++partition.alpha=0"])  # on purpose: the force-add escape is not checked
+    # every swept choice is checked, and an unknown key and an ignored one are named together
+    text = message("partition.within=iid,dirichlet", "partition.alpha=0.2", "mu=1")
+    assert "  mu=1: no config defines mu;" in text
+    assert IGNORED + "  partition.alpha=0.2: the chosen partition=clustered (within=iid) ignores it;" in text
+
+
+def test_command_line_refuses_an_ignored_key_before_anything_runs(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = train(f"hydra.run.dir={run_dir}", "partition.alpha=0", "rounds=2", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: " + IGNORED + "  partition.alpha=0: the chosen partition=clustered")
+    assert "Traceback" not in proc.stderr and not run_dir.exists()
 
 
 def test_has_key_walks_dicts_and_lists():

@@ -53,12 +53,28 @@ def _scheme(cfg: DictConfig) -> str:
 
 @dataclass(frozen=True)
 class Rule:
-    """key: dotted config key; allowed: human text; check: value -> bool; when: cfg -> bool."""
+    """key: dotted config key; allowed: human text; check: value -> bool; when: cfg -> bool (the
+    configs that use the key); used_by: those configs in words, for a key that ``when`` makes
+    depend on a choice (:func:`ignored_key`)."""
 
     key: str
     allowed: str
     check: Callable[[Any], bool]
     when: Callable[[DictConfig], bool] = lambda cfg: True
+    used_by: str = ""
+
+
+def _applies(rule: Rule, cfg: DictConfig) -> bool:
+    """Whether ``rule`` applies to ``cfg`` (a missing group node: it does not)."""
+    try:
+        return bool(rule.when(cfg))
+    except Exception:
+        return False
+
+
+#: who uses the label-split keys (partition.within: the split inside a clustered partition's groups)
+DIRICHLET = "partition=dirichlet, or partition=clustered with partition.within=dirichlet"
+PATHOLOGICAL = "partition=pathological, or partition=clustered with partition.within=pathological"
 
 
 RULES: list[Rule] = [
@@ -137,25 +153,26 @@ RULES: list[Rule] = [
     Rule("algorithm.local_affine", "true | false (fedbn: keep the BatchNorm weight and bias local too)",
          lambda v: isinstance(v, bool), lambda c: "local_affine" in c.algorithm),
     Rule("partition.alpha", "number > 0 (Dirichlet concentration)", lambda v: _is_number(v) and v > 0,
-         lambda c: _scheme(c) == "dirichlet"),
+         lambda c: _scheme(c) == "dirichlet", DIRICHLET),
     Rule("partition.min_size", "integer >= 2 (a client needs 1 train + 1 test sample)", lambda v: _is_int(v) and v >= 2,
-         lambda c: _scheme(c) == "dirichlet"),
+         lambda c: _scheme(c) == "dirichlet", DIRICHLET),
     Rule("partition.max_retries", "integer >= 1", lambda v: _is_int(v) and v >= 1,
-         lambda c: _scheme(c) == "dirichlet"),
+         lambda c: _scheme(c) == "dirichlet", DIRICHLET),
     Rule("partition.classes_per_client", "integer >= 1 (and <= the number of classes)",
-         lambda v: _is_int(v) and v >= 1, lambda c: _scheme(c) == "pathological"),
+         lambda v: _is_int(v) and v >= 1, lambda c: _scheme(c) == "pathological", PATHOLOGICAL),
     Rule("partition.groups", "integer >= 1 and <= num_clients (clustered: client groups)",
-         lambda v: _is_int(v) and v >= 1, lambda c: c.partition.name == "clustered"),
+         lambda v: _is_int(v) and v >= 1, lambda c: c.partition.name == "clustered", "partition=clustered"),
     Rule("partition.group_transform", "rotate (images, groups <= 4) | permute_labels",
-         lambda v: v in ("rotate", "permute_labels"), lambda c: c.partition.name == "clustered"),
+         lambda v: v in ("rotate", "permute_labels"), lambda c: c.partition.name == "clustered", "partition=clustered"),
     Rule("partition.group_data", "replicate | split (clustered)", lambda v: v in ("replicate", "split"),
-         lambda c: c.partition.name == "clustered"),
+         lambda c: c.partition.name == "clustered", "partition=clustered"),
     Rule("partition.within", "iid | dirichlet | pathological (clustered: label split inside a group)",
-         lambda v: v in ("iid", "dirichlet", "pathological"), lambda c: c.partition.name == "clustered"),
+         lambda v: v in ("iid", "dirichlet", "pathological"), lambda c: c.partition.name == "clustered",
+         "partition=clustered"),
     Rule("algorithm.mu_scale", "relative | reference (fedfew: units of mu)", lambda v: v in ("relative", "reference"),
          lambda c: "mu_scale" in c.algorithm),
     Rule("partition.client_sample", "first | random (natural: which groups become clients when num_clients caps them)",
-         lambda v: v in ("first", "random"), lambda c: c.partition.name == "natural"),
+         lambda v: v in ("first", "random"), lambda c: c.partition.name == "natural", "partition=natural"),
     Rule("partition.test_fraction", "number in (0, 1)", lambda v: _is_number(v) and 0 < v < 1),
     Rule("partition.val_fraction", "number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1),
     Rule("engine", "loop | vmap (vmap: FedFew only, SGD only)", lambda v: v in ("loop", "vmap")),
@@ -188,11 +205,7 @@ def validate_config(cfg: DictConfig) -> None:
     """
     problems = []
     for rule in RULES:
-        try:
-            applies = rule.when(cfg)
-        except Exception:  # a missing group node means the rule does not apply
-            applies = False
-        if not applies:
+        if not _applies(rule, cfg):
             continue
         value = _lookup(cfg, rule.key)
         if value is _MISSING:
@@ -277,6 +290,25 @@ def validate_config(cfg: DictConfig) -> None:
                         "on test; use eval.protocol=final or finetune when scoring on the validation split")
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(problems))
+
+
+def ignored_key(cfg: DictConfig, key: str) -> str | None:
+    """Why a run with ``cfg`` ignores ``key``, or None when it uses it: a key is ignored when
+    :data:`RULES` has rules for it and none applies, e.g. ``partition.alpha`` under
+    ``partition=clustered`` with ``within=iid``. Keys without a rule count as used. The text names
+    the choice that ignores the key and the choices that use it; :mod:`fedfew.overrides` refuses
+    an explicit override of such a key (it would change nothing, and its value is not checked).
+    """
+    rules = [rule for rule in RULES if rule.key == key]
+    if not rules or any(_applies(rule, cfg) for rule in rules):
+        return None
+    if key.startswith("partition."):
+        name = _lookup(cfg, "partition.name")
+        chosen = f"partition={name}" + (f" (within={_scheme(cfg)})" if name == "clustered" else "")
+    else:
+        chosen = "configuration"
+    used_by = "; ".join(dict.fromkeys(rule.used_by for rule in rules if rule.used_by)) or "other configurations"
+    return f"the chosen {chosen} ignores it; {key} is used by {used_by}: drop it, or choose one of those"
 
 
 def rules_markdown() -> str:

@@ -1,4 +1,4 @@
-"""Command-line keys that no config defines: our own error, before Hydra's and before any compute.
+"""Command-line keys that would change nothing: our own error, before Hydra's and before any compute.
 
 Hydra answers an unknown key without a prefix (``mu=-1``) with "To append to your config use
 +mu=-1", and a run started that way trains with the key silently ignored; so does any
@@ -9,10 +9,17 @@ sweeps) and rejects every key override, with or without ``+``, whose key is not 
 the closest valid key (:mod:`difflib` on the dotted key and on its last part, so ``mu`` ->
 ``algorithm.mu``) and the options of the group that do define it.
 
+A key that exists but that the chosen settings ignore is refused the same way: the config is
+composed with every override, and an override of a key whose rules in :mod:`fedfew.config` apply
+to none of the chosen settings (:func:`fedfew.config.ignored_key`) is named with the choices
+that use it, e.g. ``partition.alpha=0`` on the clustered split with ``within=iid``: the run would
+train with the key ignored, and its value (invalid here) would never be checked.
+
 Escape, for a key that a user really means to add: ``++key=value`` (Hydra's force-add: add the
-key, or set it where it exists). fedfew reads only the keys its configs define, so such a key
-is recorded in the run's config but changes nothing unless code reads it; ``make compare``
-uses ``++algorithm.K=5`` this way to give every method the same override.
+key, or set it where it exists; neither check applies to it). fedfew reads only the keys its
+configs define, so such a key is recorded in the run's config but changes nothing unless code
+reads it; ``make compare`` uses ``++algorithm.K=5`` this way to give every method the same
+override.
 
 Overrides of ``hydra.*``, deletions (``~key``) and group choices are left to Hydra, whose
 messages for those are accurate. :func:`main_check` is what ``python -m fedfew.train`` runs on
@@ -32,12 +39,22 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 CONFIG_DIR = Path(__file__).resolve().parent / "conf"
 #: a suggestion scoring below this (see :func:`closest_key`) is called "nearest", not "closest"
 SIMILAR = 0.6
-#: at most this many combinations of swept groups are composed (beyond: no check)
+#: at most this many combinations of swept groups (and swept keys) are composed (beyond: no check)
 MAX_COMBINATIONS = 32
 
 
-class UnknownKeyError(ValueError):
-    """Command-line keys that no config defines; the message names each and its closest valid key."""
+class OverrideError(ValueError):
+    """Command-line overrides that :func:`check_overrides` refuses (before Hydra and any compute)."""
+
+
+class UnknownKeyError(OverrideError):
+    """Command-line keys that no config defines; the message names each and its closest valid key
+    (and, after them, any key the chosen settings ignore)."""
+
+
+class IgnoredKeyError(OverrideError):
+    """Command-line keys that exist but that the chosen settings ignore; the message names each and
+    the choices that use it."""
 
 
 def config_keys(cfg: Any, prefix: str = "") -> list[str]:
@@ -105,13 +122,9 @@ def _group_options_with(group: str, subkey: str, config_dir: Path) -> list[str]:
     return found
 
 
-def _choice(override) -> str:
-    """The current choice of a group override as an override string."""
-    return f"{override.get_key_element()}={override.get_value_element_as_str()}"
-
-
 def check_overrides(overrides: list[str], config_name: str = "config", config_dir: str | Path = CONFIG_DIR) -> None:
-    """Reject key overrides whose key no config defines (see the module docstring).
+    """Reject key overrides that would change nothing (see the module docstring): keys no config
+    defines, and keys the chosen settings ignore.
 
     Args:
         overrides: Hydra override strings as on the command line (``a.b=1``, ``+c=2``, ...).
@@ -119,7 +132,9 @@ def check_overrides(overrides: list[str], config_name: str = "config", config_di
         config_dir: the config directory.
     Raises:
         UnknownKeyError: one line per unknown key: the override, the closest valid key, the
-            group options that define it, and the ``++`` escape.
+            group options that define it, and the ``++`` escape (then one line per ignored key).
+        IgnoredKeyError: (no unknown key) one line per key the chosen settings ignore: the
+            override, the choice that ignores it and the choices that use it.
 
     Override strings Hydra cannot parse, unknown group options and sweeps that cannot be
     enumerated are left to Hydra (no error here).
@@ -133,9 +148,11 @@ def check_overrides(overrides: list[str], config_name: str = "config", config_di
     backup = get_gh_backup()  # callable inside a Hydra app too: its global state comes back after
     GlobalHydra.instance().clear()
     try:
-        problems = _find_unknown(overrides, config_name, config_dir)
+        problems, ignored = _find_problems(overrides, config_name, config_dir)
     finally:
         restore_gh_from_backup(backup)
+    ignored_text = ("config key(s) that the chosen settings ignore, so they would change nothing (and their values "
+                    "are never checked):\n" + "\n".join(f"  {line}" for line in ignored.values())) if ignored else ""
     if problems:
         from fedfew.runs import python_command
 
@@ -144,12 +161,15 @@ def check_overrides(overrides: list[str], config_name: str = "config", config_di
             + "\n".join(f"  {line}" for line in problems.values())
             + "\nto add a key on purpose, force-add it: ++<key>=<value> (see every key with: "
               f"{python_command('fedfew.train')} --cfg job)"
+            + (f"\n{ignored_text}" if ignored_text else "")
         )
+    if ignored_text:
+        raise IgnoredKeyError(ignored_text)
 
 
-def _find_unknown(overrides: list[str], config_name: str, config_dir: Path) -> dict[str, str] | None:
-    """Override line -> description of each unknown key (see :func:`check_overrides`); None
-    when the check is left to Hydra."""
+def _find_problems(overrides: list[str], config_name: str, config_dir: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """(unknown, ignored): override line -> description of each unknown key, and of each key the
+    chosen settings ignore (see :func:`check_overrides`); empty where the check is left to Hydra."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -161,35 +181,26 @@ def _find_unknown(overrides: list[str], config_name: str, config_dir: Path) -> d
         try:
             parsed = OverridesParser.create(config_loader=loader).parse_overrides(overrides)
         except HydraException:
-            return
-        group_overrides, key_overrides = [], []
+            return {}, {}
+        group_overrides, key_overrides, kept = [], [], []
         for o in parsed:
-            if o.is_hydra_override() or o.is_delete():
+            if o.is_hydra_override():
                 continue
-            if o.package is not None or "/" in o.key_or_group or o.key_or_group in groups:
+            if o.is_delete() or o.is_force_add():
+                kept.append(o)  # not checked, but part of the run's config
+            elif o.package is not None or "/" in o.key_or_group or o.key_or_group in groups:
                 group_overrides.append(o)
-            elif not o.is_force_add():
+            else:
                 key_overrides.append(o)
         if not key_overrides:
-            return
-        choices: list[list[str]] = []
-        for o in group_overrides:
-            if o.is_sweep_override():
-                if not o.is_discrete_sweep():
-                    return
-                prefix = o.get_key_element()
-                choices.append([f"{prefix}={v}" for v in o.sweep_string_iterator()])
-            else:
-                choices.append([_choice(o)])
-        combos = list(itertools.islice(itertools.product(*choices), MAX_COMBINATIONS + 1))
-        if len(combos) > MAX_COMBINATIONS:
-            return
+            return {}, {}
+        combos = _combinations(group_overrides)
         problems: dict[str, str] = {}
-        for combo in combos:
+        for combo in combos or []:
             try:
                 cfg = compose(config_name=config_name, overrides=list(combo))
             except HydraException:
-                return  # e.g. an unknown group option: Hydra's own message lists the options
+                return {}, {}  # e.g. an unknown group option: Hydra's own message lists the options
             keys = None
             for o in key_overrides:
                 key = o.key_or_group
@@ -197,7 +208,38 @@ def _find_unknown(overrides: list[str], config_name: str, config_dir: Path) -> d
                     continue
                 keys = keys if keys is not None else config_keys(cfg)
                 problems[o.input_line] = _describe(o, key, keys, cfg, config_dir)
-    return problems
+        # the keys that exist: composed with every override, does a rule of the chosen settings use them?
+        from fedfew.config import ignored_key
+
+        known = [o for o in key_overrides if o.input_line not in problems]
+        kept_lines = [o.input_line for o in kept if not o.is_sweep_override()]
+        ignored: dict[str, str] = {}
+        for combo in (_combinations([*group_overrides, *known]) or []) if known else []:
+            try:
+                cfg = compose(config_name=config_name, overrides=[*combo, *kept_lines])
+            except HydraException:
+                break  # Hydra reports it when the run composes
+            for o in known:
+                why = ignored_key(cfg, o.key_or_group)
+                if why and o.input_line not in ignored:
+                    ignored[o.input_line] = f"{o.input_line}: {why}"
+    return problems, ignored
+
+
+def _combinations(overrides: list) -> list[tuple[str, ...]] | None:
+    """Every combination of the overrides' values (a multirun's discrete sweeps each give several)
+    as override strings; None when a sweep cannot be enumerated or there are more than
+    :data:`MAX_COMBINATIONS`."""
+    choices: list[list[str]] = []
+    for o in overrides:
+        if o.is_sweep_override():
+            if not o.is_discrete_sweep():
+                return None
+            choices.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+        else:
+            choices.append([o.input_line])
+    combos = list(itertools.islice(itertools.product(*choices), MAX_COMBINATIONS + 1))
+    return combos if len(combos) <= MAX_COMBINATIONS else None
 
 
 def _describe(override, key: str, keys: list[str], cfg: DictConfig, config_dir: Path) -> str:
@@ -221,7 +263,7 @@ def _describe(override, key: str, keys: list[str], cfg: DictConfig, config_dir: 
 
 
 def main_check(argv: list[str] | None = None) -> None:
-    """Run :func:`check_overrides` on ``python -m fedfew.train``'s arguments; on unknown keys
+    """Run :func:`check_overrides` on ``python -m fedfew.train``'s arguments; on a refused override
     print ``error: ...`` to stderr and exit with status 2 (before Hydra creates a run directory).
 
     Hydra's own flags (``--help``, ``--info``, ``--config-dir``, ...) skip the check, except
@@ -239,6 +281,6 @@ def main_check(argv: list[str] | None = None) -> None:
         return
     try:
         check_overrides(list(args.overrides), config_name=args.config_name or "config")
-    except UnknownKeyError as err:
+    except OverrideError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

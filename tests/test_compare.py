@@ -305,9 +305,11 @@ def test_algorithms_that_cannot_run_are_named_or_left_out_before_any_run(tmp_pat
     # named: oracle needs client groups, so on Dirichlet it is an error, and nothing starts
     with pytest.raises(CompareError, match="(?s)oracle cannot run on this setup: .*use partition=clustered"):
         compare.main(["--algorithms", "fedavg oracle", "--out", str(tmp_path), "--", "partition=dirichlet"])
-    # an override that does not compose is refused before any run too
-    with pytest.raises(CompareError, match="cannot compose"):
+    # an option that does not exist, or an override that does not compose, is refused before any run too
+    with pytest.raises(CompareError, match=r"^unknown partition 'nosuch'; available: clustered, dirichlet, iid, "):
         compare.main(["--algorithms", "fedavg", "--out", str(tmp_path), "--", "partition=nosuch"])
+    with pytest.raises(CompareError, match="fedavg cannot run on this setup: cannot compose"):
+        compare.main(["--algorithms", "fedavg", "--out", str(tmp_path), "--", "optim.lr=[0.1"])
     assert started == []
     # the default list leaves oracle (no groups) and fedbn (the MLP has no BatchNorm) out, and says why
     monkeypatch.setenv("FEDFEW_OUTPUT_DIR", str(tmp_path))

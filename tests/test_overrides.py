@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from fedfew.overrides import IgnoredKeyError, UnknownKeyError, check_overrides, closest_key, has_key
+from fedfew.overrides import (IgnoredKeyError, UnknownChoiceError, UnknownKeyError, check_overrides, closest_key,
+                              has_key)
 from test_train_cli import train
 
 
@@ -52,7 +53,40 @@ def test_valid_keys_group_choices_and_force_add_pass():
     check_overrides(["++algorithm.mu_prox=0.1"])  # the escape: force-add a key on purpose
     check_overrides(["engine_clients=4", "dataset=agnews", "model.embed_init_std=0.3"])
     check_overrides(["partition=pathological", "partition.classes_per_client=3", "hydra.run.dir=/tmp/x"])
-    check_overrides(["dataset=nosuchset", "mu=1"])  # an unknown group option: Hydra lists the options itself
+    check_overrides(["tuned=digits_partition-dirichlet/digits_fedfew"])  # a preset in a setup folder
+
+
+def test_unknown_group_options_name_the_closest_ones():
+    """``algorithm=fedavgg`` is answered with the options most like it, not Hydra's bare list."""
+    with pytest.raises(UnknownChoiceError) as err:
+        check_overrides(["algorithm=fedavgg", "mu=1"])  # the choice first: no config to judge keys against
+    assert str(err.value) == (
+        "unknown algorithm 'fedavgg'; did you mean fedavg or fedamp? available: apfl, cfl, ditto, fedamp, fedavg, fedbn, "
+        "fedem, fedfew, fedfew_reference, fedmgda, fedmtl, fedprox, fedrep, fedsoft, ifca, local, oracle "
+        "(set `algorithm=<one of these>`)")
+    with pytest.raises(UnknownChoiceError) as err:
+        check_overrides(["dataset=mnist", "model=cnnn", "partition=diriclet", "logger=csvv", "algorithm=fedfew,zzz"])
+    lines = str(err.value).splitlines()
+    assert [line.split("?")[0].split(";")[:2] for line in lines] == [
+        ["unknown dataset 'mnist'", " did you mean femnist"], ["unknown model 'cnnn'", " did you mean cnn"],
+        ["unknown partition 'diriclet'", " did you mean dirichlet"], ["unknown logger 'csvv'", " did you mean csv"],
+        ["unknown algorithm 'zzz'", " available: apfl, cfl, ditto, fedamp, fedavg, fedbn, fedem, fedfew, fedfew_reference, "
+                                    "fedmgda, fedmtl, fedprox, fedrep, fedsoft, ifca, local, oracle (set `algorithm=<one of these>`)"]]
+
+
+def test_registry_names_the_closest_too():
+    from fedfew.train import check_registered
+
+    with pytest.raises(ValueError, match=r"^unknown algorithm 'fedfeww'; did you mean fedfew or fedem or fedrep\? available: "):
+        check_registered("algorithm", "fedfew.algorithms", "fedfeww")
+
+
+def test_command_line_names_the_closest_group_option(tmp_path):
+    proc = train(f"hydra.run.dir={tmp_path / 'run'}", "algorithm=fedavgg", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: unknown algorithm 'fedavgg'; did you mean fedavg or fedamp? available: apfl,")
+    assert "Could not find" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_every_swept_group_choice_is_checked():

@@ -21,9 +21,11 @@ configs define, so such a key is recorded in the run's config but changes nothin
 reads it; ``make compare`` uses ``++algorithm.K=5`` this way to give every method the same
 override.
 
-Overrides of ``hydra.*``, deletions (``~key``) and group choices are left to Hydra, whose
-messages for those are accurate. :func:`main_check` is what ``python -m fedfew.train`` runs on
-its arguments before Hydra starts.
+A group choice that does not exist (``algorithm=fedavgg``) is named with the closest options
+(:func:`fedfew.registry.unknown_name`: "did you mean fedavg?"), where Hydra lists them all
+without a hint. Overrides of ``hydra.*``, deletions (``~key``) and nested group options
+(``tuned=<folder>/<preset>``) are left to Hydra, whose messages for those are accurate.
+:func:`main_check` is what ``python -m fedfew.train`` runs on its arguments before Hydra starts.
 """
 from __future__ import annotations
 
@@ -50,6 +52,11 @@ class OverrideError(ValueError):
 class UnknownKeyError(OverrideError):
     """Command-line keys that no config defines; the message names each and its closest valid key
     (and, after them, any key the chosen settings ignore)."""
+
+
+class UnknownChoiceError(OverrideError):
+    """Command-line group choices that do not exist (``algorithm=fedavgg``); the message names the
+    closest options and lists them all."""
 
 
 class IgnoredKeyError(OverrideError):
@@ -131,13 +138,15 @@ def check_overrides(overrides: list[str], config_name: str = "config", config_di
         config_name: the primary config.
         config_dir: the config directory.
     Raises:
+        UnknownChoiceError: one line per group choice that does not exist (``algorithm=fedavgg``):
+            the closest options and all of them (:func:`fedfew.registry.unknown_name`).
         UnknownKeyError: one line per unknown key: the override, the closest valid key, the
             group options that define it, and the ``++`` escape (then one line per ignored key).
         IgnoredKeyError: (no unknown key) one line per key the chosen settings ignore: the
             override, the choice that ignores it and the choices that use it.
 
-    Override strings Hydra cannot parse, unknown group options and sweeps that cannot be
-    enumerated are left to Hydra (no error here).
+    Override strings Hydra cannot parse, nested group options (``tuned=<folder>/<preset>``) and
+    sweeps that cannot be enumerated are left to Hydra (no error here).
     """
     from hydra.core.global_hydra import GlobalHydra
     from hydra.initialize import get_gh_backup, restore_gh_from_backup
@@ -192,6 +201,9 @@ def _find_problems(overrides: list[str], config_name: str, config_dir: Path) -> 
                 group_overrides.append(o)
             else:
                 key_overrides.append(o)
+        unknown_choices = _unknown_choices(loader, groups, group_overrides)
+        if unknown_choices:
+            raise UnknownChoiceError("\n".join(unknown_choices))
         if not key_overrides:
             return {}, {}
         combos = _combinations(group_overrides)
@@ -200,7 +212,7 @@ def _find_problems(overrides: list[str], config_name: str, config_dir: Path) -> 
             try:
                 cfg = compose(config_name=config_name, overrides=list(combo))
             except HydraException:
-                return {}, {}  # e.g. an unknown group option: Hydra's own message lists the options
+                return {}, {}  # e.g. a nested group option that does not exist: Hydra's message lists the options
             keys = None
             for o in key_overrides:
                 key = o.key_or_group
@@ -224,6 +236,22 @@ def _find_problems(overrides: list[str], config_name: str, config_dir: Path) -> 
                 if why and o.input_line not in ignored:
                     ignored[o.input_line] = f"{o.input_line}: {why}"
     return problems, ignored
+
+
+def _unknown_choices(loader, groups: set[str], overrides: list) -> list[str]:
+    """One line per option of a top-level group that ``conf/<group>/`` does not hold (every value
+    of a sweep), naming the closest options (:func:`fedfew.registry.unknown_name`)."""
+    from fedfew.registry import unknown_name
+
+    lines = []
+    for o in overrides:
+        if o.package is not None or o.key_or_group not in groups or (o.is_sweep_override() and not o.is_discrete_sweep()):
+            continue
+        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
+        options = loader.get_group_options(o.key_or_group)
+        lines += [unknown_name(o.key_or_group, value, options) for value in values
+                  if options and value not in options and "/" not in value and value != "null"]
+    return lines
 
 
 def _combinations(overrides: list) -> list[tuple[str, ...]] | None:

@@ -8,11 +8,12 @@ that no central list (or if/elif ladder) of names is needed.
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib
 import importlib.util
 import pkgutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 
 class Registry:
@@ -62,11 +63,21 @@ class Registry:
         """
         self._load()
         if name not in self._entries:
-            raise ValueError(
-                f"unknown {self.kind} '{name}'; available: {', '.join(self.names())} "
-                f"(set `{self.kind}=<one of these>`)"
-            )
+            raise ValueError(unknown_name(self.kind, name, self.names()))
         return self._entries[name]
+
+
+def unknown_name(kind: str, name: str, available: Iterable[str]) -> str:
+    """The message for a ``kind`` (algorithm, dataset, ...) that does not exist: the closest
+    available names (:func:`difflib.get_close_matches`), every available one, and how to set it.
+
+    >>> unknown_name("algorithm", "fedavgg", ["ifca", "fedfew", "fedavg"])
+    "unknown algorithm 'fedavgg'; did you mean fedavg? available: fedavg, fedfew, ifca (set `algorithm=<one of these>`)"
+    """
+    available = sorted(available)
+    close = difflib.get_close_matches(name, available, n=3)
+    guess = f"; did you mean {' or '.join(close)}?" if close else ";"
+    return f"unknown {kind} '{name}'{guess} available: {', '.join(available)} (set `{kind}=<one of these>`)"
 
 
 # -- what the sources say, without importing them ------------------------------------------------
@@ -167,4 +178,3 @@ def _find_class(package: str, tree: ast.Module, name: str) -> tuple[ast.Module, 
                 if (alias.asname or alias.name) == name and text is not None:
                     return _find_class(package, ast.parse(text), alias.name)
     return None
-

@@ -277,7 +277,7 @@ def python_command(module: str) -> str:
     quoted for a shell. Console output only: committed text (a preset's header, compare.md)
     records ``python -m ...`` (:func:`portable_command`), never a path of this machine.
 
-    >>> python_command("fedfew.plots").endswith("python -m fedfew.plots")
+    >>> python_command("fedfew.plots").endswith(" -m fedfew.plots")
     True
     """
     import shlex

@@ -49,13 +49,14 @@ def check_registered(kind: str, package: str, name: str) -> None:
     ``<package>/<name>.py`` and registers itself with ``register("<name>")``.
 
     Raises:
-        ValueError: unknown name; the message lists the available ones, as ``Registry.get`` does.
+        ValueError: unknown name; the message names the closest and lists the available ones, as
+            ``Registry.get`` does (:func:`fedfew.registry.unknown_name`).
     """
-    from fedfew.registry import registered_names
+    from fedfew.registry import registered_names, unknown_name
 
     available = registered_names(package)
     if name not in available:
-        raise ValueError(f"unknown {kind} '{name}'; available: {', '.join(available)} (set `{kind}=<one of these>`)")
+        raise ValueError(unknown_name(kind, name, available))
 
 
 @dataclass

@@ -158,3 +158,37 @@ def test_collapse_warning_fires_with_the_reference_rule(tmp_path):
     assert results["also"]["finetune"]["summary"]["collapse_warnings"] == results["summary"]["collapse_warnings"]
     # the default run's side (no warning, [5, 5, 5, 5], ARI 1) is checked on the embedded default
     # run itself: tests/test_train_cli.py::test_embedded_default_learns_digits
+
+
+FEDFEW_NOTE = "On label-skew splits (Dirichlet) one model serving every client can be the objective's own optimum: docs/fedfew.md"
+NORMALIZE = ("algorithm.normalize=true (each model moves by the weighted mean of its deltas; the reference's rule makes "
+             "the K models share one step)")
+
+
+@pytest.mark.parametrize("algorithm,overrides,advice", [
+    # fedfew's defaults already are normalize=true and init=independent: only what the run can still change
+    ("fedfew", [], f"Keys that help: a larger algorithm.mu (softer w). {FEDFEW_NOTE}"),
+    ("fedfew", ["algorithm.init=identical"],
+     f"Keys that help: a larger algorithm.mu (softer w), algorithm.init=independent. {FEDFEW_NOTE}"),
+    ("fedfew_reference", [],  # the reference's rule: normalize=false, identical models
+     f"Keys that help: {NORMALIZE}, a larger algorithm.mu (softer w), algorithm.init=independent. {FEDFEW_NOTE}"),
+    ("ifca", [], "Keys that help: a smaller algorithm.K."),
+    ("ifca", ["algorithm.init=identical"], "Keys that help: algorithm.init=independent (identical models send every "
+                                           "client to model 0), a smaller algorithm.K."),
+    ("fedsoft", [], "Keys that help: a smaller algorithm.K."),
+])
+def test_collapse_warning_names_only_keys_the_run_has_not_set(capsys, algorithm, overrides, advice):
+    from types import SimpleNamespace
+
+    from fedfew.algorithms import ALGORITHMS
+    from fedfew.diagnostics import CollapseWatch
+
+    cfg = compose_config(f"algorithm={algorithm}", "algorithm.K=4", *overrides)
+    sim = SimpleNamespace(algorithm=ALGORITHMS.get(algorithm), cfg=cfg, fabric=SimpleNamespace(global_rank=0),
+                          module=SimpleNamespace(K=4))
+    watch = CollapseWatch()
+    watch.on_fit_start(sim)
+    watch.on_round_end(sim, 10, {}, {"summary": {"models_served": [0, 5, 15, 0]}})
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: round 10: no client selects model {k} (clients per model [0, 5, 15, 0]): only 2 of 4 models serve "
+        f"clients. {advice}" for k in (0, 3)]

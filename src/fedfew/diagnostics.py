@@ -10,15 +10,54 @@ and cause:
   row;
 - **unserved**: no client is assigned to it (``models_served``) at an evaluation.
 
-Each warning names the keys that help (the algorithm's ``collapse_hint``) and is kept in the
-run's ``summary.collapse_warnings`` (results.json). Algorithms opt in with ``watch_collapse``.
+Each warning names the keys that help (the algorithm's ``collapse_keys``, :class:`Hint`; only
+those the run has not already set to the recommended value: :func:`collapse_advice`), then the
+algorithm's ``collapse_hint`` text, and is kept in the run's ``summary.collapse_warnings``
+(results.json). Algorithms opt in with ``watch_collapse``.
 """
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
+
+
+@dataclass(frozen=True)
+class Hint:
+    """A config change that may help a collapsed run, named in the warning.
+
+    key: the dotted run-config key (``algorithm.normalize``); value: the recommended value, or
+    None for a change in a direction, said by ``change`` (``"a larger"``); why: what it does
+    (optional). A hint with a value is left out of a run that already has that value.
+    """
+
+    key: str
+    value: Any = None
+    why: str = ""
+    change: str = ""
+
+    def needed(self, cfg) -> bool:
+        """Whether the hint tells ``cfg``'s run something: it is a change in a direction, or the
+        run's value of ``key`` is not the recommended one."""
+        return self.value is None or OmegaConf.select(cfg, self.key, default=None) != self.value
+
+    def __str__(self) -> str:
+        value = str(self.value).lower() if isinstance(self.value, bool) else self.value
+        head = f"{self.change} {self.key}" if self.value is None else f"{self.key}={value}"
+        return f"{head} ({self.why})" if self.why else head
+
+
+def collapse_advice(algorithm, cfg) -> str:
+    """What a collapse warning advises a run with config ``cfg``: "Keys that help: ..." with the
+    algorithm's ``collapse_keys`` the run has not already set (:meth:`Hint.needed`), then its
+    ``collapse_hint`` text; "" when there is neither."""
+    hints = [str(h) for h in getattr(algorithm, "collapse_keys", ()) if h.needed(cfg)]
+    parts = [f"Keys that help: {', '.join(hints)}."] if hints else []
+    parts.append(str(getattr(algorithm, "collapse_hint", "")))
+    return " ".join(p for p in parts if p)
 
 
 class CollapseWatch:
@@ -45,7 +84,7 @@ class CollapseWatch:
         cfg = sim.cfg.get("collapse") or {}
         self.step = float(cfg.get("step", 0.01))
         self.rounds = int(cfg.get("rounds", 10))
-        self.hint = str(getattr(alg, "collapse_hint", ""))
+        self.hint = collapse_advice(alg, sim.cfg)
         self.below = [0] * sim.module.K
 
     def check(self, round: int, effective_step: torch.Tensor | None, served: list[int] | None) -> list[str]:

@@ -40,6 +40,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from fedfew.data.base import ClientSplit, FederatedData
+from fedfew.diagnostics import Hint
 from fedfew.module import KModelSet, state_numel
 from fedfew.nonfinite import NonFiniteLog
 
@@ -100,8 +101,10 @@ class Algorithm:
     row_shapes: dict[str, Callable[[int], tuple[int, ...]]] = {}
 
     #: whether :class:`fedfew.diagnostics.CollapseWatch` warns when a server model stops
-    #: serving clients (few-for-many methods), and the keys that help, named in the warning
+    #: serving clients (few-for-many methods); the keys that help (:class:`fedfew.diagnostics.Hint`,
+    #: each named only where the run has not already set it) and a text after them, in the warning
     watch_collapse: bool = False
+    collapse_keys: tuple[Hint, ...] = ()
     collapse_hint: str = ""
 
     #: whether local training goes through an engine (top-level ``engine``, ``compile``;

@@ -61,6 +61,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms.base import Algorithm, Context
 from fedfew.auto_k import AutoK
 from fedfew.data.base import ClientSplit
+from fedfew.diagnostics import Hint
 from fedfew.engines import ENGINES
 from fedfew.engines.base import ClientJob
 from fedfew.local import evaluate_model
@@ -85,10 +86,11 @@ class FedFew(Algorithm):
     row_shapes = {"loss": lambda K: (K,)}
     uses_engine = True
     watch_collapse = True
-    collapse_hint = ("Keys that help: algorithm.normalize=true (each model moves by the weighted mean of its deltas; "
-                     "the reference's rule makes the K models share one step), a larger algorithm.mu (softer w), "
-                     "algorithm.init=independent. On label-skew splits (Dirichlet) one model serving every client "
-                     "can be the objective's own optimum: docs/fedfew.md")
+    collapse_keys = (Hint("algorithm.normalize", True, "each model moves by the weighted mean of its deltas; the "
+                          "reference's rule makes the K models share one step"),
+                     Hint("algorithm.mu", why="softer w", change="a larger"), Hint("algorithm.init", "independent"))
+    collapse_hint = ("On label-skew splits (Dirichlet) one model serving every client can be the objective's own "
+                     "optimum: docs/fedfew.md")
 
     def __init__(self, cfg, ctx: Context) -> None:
         super().__init__(cfg, ctx)

@@ -58,6 +58,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row, proximal_term
 from fedfew.algorithms._updates import check_number, finite_or_excluded
 from fedfew.data.base import ClientSplit, FederatedData
+from fedfew.diagnostics import Hint
 from fedfew.module import assign_state_, flat_state, state_numel, unflatten_like
 
 SCORES = ("personal", "centres")
@@ -118,7 +119,7 @@ class FedSoft(Averaging):
 
     client_state = True
     watch_collapse = True
-    collapse_hint = "Keys that help: algorithm.init=independent, a smaller algorithm.K"
+    collapse_keys = (Hint("algorithm.init", "independent"), Hint("algorithm.K", change="a smaller"))
 
     row_shapes = {"loss": lambda K: (1,), "importance": lambda K: (K,)}
 

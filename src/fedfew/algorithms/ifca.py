@@ -26,6 +26,7 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging
 from fedfew.data.base import ClientSplit
+from fedfew.diagnostics import Hint
 from fedfew.local import evaluate_model
 from fedfew.module import state_numel
 
@@ -40,8 +41,8 @@ class IFCA(Averaging):
     """K cluster models; each client trains the one with the lowest train loss."""
 
     watch_collapse = True
-    collapse_hint = ("Keys that help: algorithm.init=independent (identical models send every client to model 0), "
-                     "a smaller algorithm.K")
+    collapse_keys = (Hint("algorithm.init", "independent", "identical models send every client to model 0"),
+                     Hint("algorithm.K", change="a smaller"))
 
     @staticmethod
     def num_models(cfg: DictConfig) -> int:

@@ -117,6 +117,45 @@ def cheap_form(command: str, fill: dict[str, str]) -> list[str]:
     return [*argv, *flags, words[1], *(f"{k}={v}" for k, v in variables.items())]
 
 
+def default_run_table() -> dict[str, tuple[str, str]]:
+    """README's "What the default run shows" table: the algorithm each ``make train`` row runs
+    (fedfew when it sets none) -> (what that command prints on seed 0, the mean ± std over seeds 0-2)."""
+    section = (ROOT / "README.md").read_text().split("## What the default run shows")[1].split("\n## ")[0]
+    lines = section.splitlines()
+    header = next(i for i, row in enumerate(lines) if row.startswith("| run |"))
+    assert lines[header] == "| run | prints (seed 0) | seeds 0-2 |", lines[header]
+    table = {}
+    for row in lines[header + 2:]:
+        if not row.startswith("| `make train"):
+            break
+        command, printed, seeds = (cell.strip() for cell in row.strip("|").split("|"))
+        match = re.search(r"algorithm=(\w+)", command)
+        table[match.group(1) if match else "fedfew"] = (printed, seeds)
+    return table
+
+
+def test_default_run_table_shows_what_one_command_prints():
+    """Each row says what its one command prints (seed 0: the client mean ± the std over clients,
+    as the console writes it) beside the mean ± std over seeds 0-2, and both agree with
+    docs/results.md's comparison of the same runs (fedfew, fedavg and oracle with their presets):
+    its means and its per-seed differences to fedfew. (What a run prints is checked against the
+    fedfew row by tests/test_train_cli.py::test_embedded_default_learns_digits.)"""
+    table = default_run_table()
+    assert list(table) == ["fedfew", "fedavg", "oracle", "fedfew_reference"]
+    for printed, seeds in table.values():
+        assert re.fullmatch(r"\d\.\d{4} ± \d\.\d{4}, \[[\d, ]+\].*", printed), printed  # client-mean acc {:.4f} ± {:.4f}
+        assert re.fullmatch(r"\d\.\d{3} ± \d\.\d{3}", seeds), seeds
+    seed0 = {alg: float(printed.split()[0]) for alg, (printed, _) in table.items()}
+    results = (ROOT / "docs" / "results.md").read_text().split("## Digits, clustered")[1].split("\n## ")[0]
+    for alg in ("fedfew", "fedavg", "oracle"):
+        cells = [c.strip() for c in next(r for r in results.splitlines() if r.startswith(f"| {alg} |")).split("|")]
+        mean, std = (float(x) for x in cells[2].split(" ± "))
+        assert table[alg][1] == f"{mean:.3f} ± {std:.3f}", alg
+        if alg != "fedfew":  # "[0:-0.1817 1:... 2:...]": seed 0's paired difference to fedfew
+            delta = float(re.search(r"\[0:([+-][\d.]+)", cells[7]).group(1))
+            assert abs(seed0[alg] - seed0["fedfew"] - delta) <= 0.00015, (alg, seed0, delta)
+
+
 def test_every_readme_command_has_a_cheap_form():
     shown = readme_commands()
     assert set(shown) == set(CHEAP), (

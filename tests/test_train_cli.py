@@ -54,6 +54,13 @@ def test_embedded_default_learns_digits(tmp_path):
     assert [int(r["round"]) for r in rows] == list(range(1, 51))
     assert (run_dir / "config.yaml").exists() and (run_dir / "logs" / "metrics.csv").exists()
     assert "personalized test accuracy per client" in proc.stdout and "majority-label baseline" in proc.stdout
+    # the README says what this command prints (seed 0), not a mean over seeds
+    from test_readme_commands import default_run_table
+
+    printed = default_run_table()["fedfew"][0]  # "0.9125 ± 0.0388, [5, 5, 5, 5], ARI 1.000"
+    readme_mean, readme_std = (float(x) for x in printed.split(",")[0].split(" ± "))
+    assert abs(s["acc_mean"] - readme_mean) <= 0.01 and abs(s["acc_std"] - readme_std) <= 0.01
+    assert printed.split(", ", 1)[1] == f"{s['models_served']}, ARI {s['assignment_ari']:.3f}"
 
 
 @pytest.mark.slow

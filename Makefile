@@ -12,7 +12,7 @@ SHARED_DATA := $(abspath ../shared/data)
 TEST_DATA_DIR := $(or $(DATA_DIR),$(FEDFEW_DATA_DIR),$(wildcard $(SHARED_DATA)))
 DATA_ARG := $(if $(DATA_DIR),data_dir=$(abspath $(DATA_DIR)),)
 
-.PHONY: install train test compare bench slurm slurm-up slurm-down clean help runs notebook tune
+.PHONY: install train test compare bench slurm slurm-up slurm-down clean help runs notebook tune flower
 
 help:
 	@echo "make install | train DATASET=<name> [DATA_DIR=<dir>] [ARGS='<hydra overrides>'] | test | runs [ROOT=<dir>] | notebook RUN=<run dir>"
@@ -22,13 +22,20 @@ help:
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -e '.[test,notebook]'
+	$(BIN)/python -m pip install -e '.[test,notebook,flower]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
 train: $(STAMP)
 	$(BIN)/python -m fedfew.train dataset=$(DATASET) $(DATA_ARG) $(ARGS)
+
+# flower: the same run as `make train` in Flower's simulation engine (one virtual SuperNode per client,
+# fedfew's own algorithms; same run folder and files, plus flower.log/flower.json; docs/flower.md).
+#   make flower ARGS="num_clients=8 rounds=5"   (FLOWER_ARGS="--workers 2 --round-timeout 60")
+FLOWER_ARGS ?=
+flower: $(STAMP)
+	$(BIN)/python -m fedfew.flower $(FLOWER_ARGS) dataset=$(DATASET) $(DATA_ARG) $(ARGS)
 
 # runs: past runs, newest first, with their headline figures (ROOT: a folder to search; default
 # $FEDFEW_OUTPUT_DIR, else outputs and multirun)

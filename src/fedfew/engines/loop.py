@@ -57,7 +57,7 @@ class LoopEngine(Engine):
 
     def train(self, jobs: Sequence[ClientJob]) -> Iterator[ClientResult]:
         module = self.module
-        if self._deltas is None:
+        if self._deltas is None or len(self._deltas) < self.K:  # K=auto only shrinks K; rows past K are stale
             first = next(module.working.parameters())
             dim = state_numel(module.working)
             self._deltas = torch.empty((self.K, dim), dtype=first.dtype, device=first.device)
@@ -71,4 +71,4 @@ class LoopEngine(Engine):
                 )
                 subtract_flat_(write_flat_(self._deltas[k], state_tensors(module.working)), state_tensors(module.models[k]))
             self._client_done()
-            yield ClientResult(job.client, losses, self._deltas)
+            yield ClientResult(job.client, losses, self._deltas[: self.K])

@@ -199,6 +199,7 @@ def test_config_file() -> None:
         "num_classes": 4,
         "kind": "text",
         "lr": 0.2,
+        "clip_norm": 5.0,
         "rounds": 60,
     }
 

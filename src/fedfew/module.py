@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -208,7 +207,7 @@ def copy_parameters_(dst: nn.Module, src: nn.Module) -> None:
             a.copy_(b)
 
 
-class KModelSet(L.LightningModule):
+class KModelSet(nn.Module):
     """K server models (``models``, an ``nn.ModuleList``) and a working copy (``working``).
 
     Args:

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from lightning.fabric import Fabric
 from omegaconf import DictConfig, OmegaConf
 
 from fedfew.algorithms import ALGORITHMS
@@ -38,6 +37,9 @@ from fedfew.models import MODELS, DataInfo
 from fedfew.module import KModelSet, round_lr
 from fedfew.nonfinite import NonFiniteLog
 from fedfew.seeding import derive_seed
+
+if TYPE_CHECKING:  # Lightning's import takes ~3 s (torchmetrics, transformers): a Flower client never needs it
+    from lightning.fabric import Fabric
 
 
 def shard_clients(client_ids: list[int], sizes: np.ndarray, world_size: int, rank: int) -> list[int]:

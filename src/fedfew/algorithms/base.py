@@ -32,10 +32,9 @@ as the parameters, and personal models keep their own statistics.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from lightning.fabric import Fabric
 from omegaconf import DictConfig
 from torch import nn
 
@@ -43,6 +42,9 @@ from fedfew.data.base import ClientSplit, FederatedData
 from fedfew.diagnostics import Hint
 from fedfew.module import KModelSet, state_numel
 from fedfew.nonfinite import NonFiniteLog
+
+if TYPE_CHECKING:  # Lightning's import takes ~3 s (torchmetrics, transformers): a Flower client never needs it
+    from lightning.fabric import Fabric
 
 
 @dataclass

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,32 @@ def partition_for(cfg: DictConfig, pid: int, total: int | None, data_dir: str | 
     return cut(_DATA[key], pid, cfg)
 
 
+@dataclass(frozen=True)
+class OneCPUProcess:
+    """What a client's :class:`~fedfew.simulation.Simulation` reads of a Fabric when it runs
+    on the CPU in full precision: one process (rank 0 of 1) on the CPU. The client never calls
+    the round loop, so no callbacks, loggers or collectives are needed."""
+
+    device: torch.device = torch.device("cpu")
+    global_rank: int = 0
+    world_size: int = 1
+
+
+def client_fabric(cfg: DictConfig) -> Any:
+    """The Fabric of a client's runtime: :class:`OneCPUProcess` for ``trainer.accelerator=cpu``
+    (or ``auto`` on a machine without a GPU) in 32-bit precision, else Lightning's (device choice, autocast). Why: a SuperNode starts a
+    new process for every message, and importing Lightning costs ~3 s of CPU each time (it
+    imports torchmetrics, which imports transformers, torchvision and scipy), more than a
+    client's round on the digits; the results are the same bit for bit (tests/test_flower.py)."""
+    accelerator = str(cfg.trainer.accelerator)
+    no_gpu = not torch.cuda.is_available() and not torch.backends.mps.is_available()  # where "auto" means the CPU
+    if (accelerator == "cpu" or (accelerator == "auto" and no_gpu)) and str(cfg.trainer.precision) in ("32", "32-true"):
+        return OneCPUProcess()
+    from lightning.fabric import Fabric
+
+    return Fabric(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision)
+
+
 class ClientRuntime:
     """A :class:`fedfew.simulation.Simulation` holding one client's partition (its algorithm,
     K-model set, context), driven by the server's messages.
@@ -138,14 +165,12 @@ class ClientRuntime:
     """
 
     def __init__(self, cfg: DictConfig, partition: Partition) -> None:
-        from lightning.fabric import Fabric
-
         from fedfew.simulation import Simulation
 
         if cfg.trainer.get("threads"):
             torch.set_num_threads(int(cfg.trainer.threads))
         self.cfg, self.partition = cfg, partition
-        fabric = Fabric(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision)
+        fabric = client_fabric(cfg)
         self.sim = Simulation(cfg, fabric, Path("."), data=partition.data())
         self.client = self.sim.host_data.clients[partition.client_id]
 

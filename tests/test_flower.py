@@ -230,3 +230,50 @@ def test_deployment_equals_simulator(deployment, tmp_path):
     ref = _simulate(_config("fedfew", 5), tmp_path / "sim")
     assert_equal_runs(ref, tmp_path / "sim", got, tmp_path / "run")
     assert got["summary"]["assignment_ari"] == 1.0
+
+
+def _wait_for(path: Path, text: str, timeout: float, proc: subprocess.Popen) -> None:
+    """Until ``text`` appears in the file ``path`` (the deploy log); fails if the run ends first."""
+    deadline = time.monotonic() + timeout
+    while text not in (path.read_text() if path.exists() else ""):
+        assert proc.poll() is None, f"the run ended before {text!r}:\n" + path.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no {text!r} within {timeout} s:\n" + path.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_killed_supernode_is_left_out_and_rejoins(tmp_path):
+    """A real SuperNode killed (SIGKILL) after round 1 is left out of round 2 with a line naming
+    it; alpha and w are over the 3 clients that answered (alpha and each row of w sum to 1); a
+    new SuperNode on the same data (started while round 2 waits for the dead one) is asked who it
+    is and takes part in round 3; the run ends normally with every client scored."""
+    from fedfew.flower.partitions import export
+
+    M, rounds, timeout = 4, 3, 30
+    export(_config("fedfew", rounds, f"num_clients={M}"), tmp_path / "data")
+    deployment = Deployment(tmp_path, tmp_path / "data", M)
+    try:
+        for pid in range(M):
+            deployment.start_node(pid)
+        overrides = [o for o in SETUP if not o.startswith(("trainer.accelerator", "num_clients"))]
+        proc = deployment.deploy(tmp_path / "run", *overrides, f"num_clients={M}", "algorithm=fedfew",
+                                 f"rounds={rounds}", round_timeout=timeout)
+        _wait_for(tmp_path / "deploy.log", f"round 1/{rounds}", 180, proc)
+        deployment.kill_node(2)
+        # round 2's messages are out (node 0 received its own): the new node cannot be asked before round 3
+        _wait_for(tmp_path / "node0.log", "ROUND round 2]", 60, proc)
+        deployment.start_node(2)  # a new process on the same data: a new node id
+        _wait(proc, 240, tmp_path)
+    finally:
+        deployment.close()
+    flower_log = (tmp_path / "run" / "flower.log").read_text()
+    assert f"round 2: client 2 (node" in flower_log and f"left out of this train: no reply within {timeout} s" in flower_log
+    assert "round 3: client 2 rejoined on node" in flower_log
+    history = json.loads((tmp_path / "run" / "history.json").read_text())["rounds"]
+    assert [h["participants"] for h in history] == [[0, 1, 2, 3], [0, 1, 3], [0, 1, 2, 3]]
+    assert sum(history[1]["alpha"]) == pytest.approx(1.0) and len(history[1]["alpha"]) == 3
+    assert len(history[1]["w"]) == 3 and all(sum(row) == pytest.approx(1.0) for row in history[1]["w"])
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert sorted(c["id"] for c in results["clients"]) == [0, 1, 2, 3]
+    assert "clients_missing" not in results["summary"]

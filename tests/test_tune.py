@@ -504,7 +504,8 @@ def test_tuning_never_reads_the_test_labels(tmp_path):
 
     def start(out, command, trials):
         args = ["--dataset", "digits", "--algorithms", "fedfew", "--trials", str(trials), "--out", str(out),
-                "--install", "no", "--startup", "1", *extra]  # trial 2: TPE, chosen from trial 1's score
+                "--install", "no", "--startup", "1", "--seeds", "0", *extra]  # trial 2: TPE, chosen from trial 1's score
+        # (one tuning seed: confirmation is checked in test_the_best_candidate_is_confirmed_on_a_second_seed...)
         # each tune in its own process, the two at once (their runs use one thread each)
         code = f"import sys; from fedfew import tune; sys.exit(tune.main(sys.argv[1:], command={command!r}))"
         return subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, stdout=subprocess.PIPE,

@@ -34,10 +34,10 @@ def main(argv: list[str]) -> None:
         cfg = compose(config_name="config", overrides=overrides)
     from fedfew.data.federated import build_federated_data
     from fedfew.models import MODELS
-    from fedfew.module import KModelSet
-    from fedfew.scalarization import stch_value, weight_losses
-    from fedfew.seeding import derive_seed
-    from fedfew.simulation import data_info
+    from fedfew.core.model_set import KModelSet
+    from fedfew.stch.scalarization import stch_value, weight_losses
+    from fedfew.core.seeding import derive_seed
+    from fedfew.core.simulation import data_info
 
     torch.set_num_threads(1)
     data = build_federated_data(cfg)

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Rewrite the validated-keys table of docs/configuration.md from ``fedfew.config.rules_markdown()``
+"""Rewrite the validated-keys table of docs/configuration.md from ``fedfew.config.rules.rules_markdown()``
 (the table between the ``rules:start`` / ``rules:end`` markers; tests/test_config.py checks it):
 
     .venv/bin/python scripts/update_rules_table.py
 """
 from pathlib import Path
 
-from fedfew.config import rules_markdown
+from fedfew.config.rules import rules_markdown
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 START, END = "<!-- rules:start -->\n", "\n<!-- rules:end -->"

@@ -5,8 +5,8 @@ import math
 
 import torch
 
-from fedfew.aggregation import LogWeightedSum
-from fedfew.scalarization import client_log_weights, stch_set
+from fedfew.core.aggregation import LogWeightedSum
+from fedfew.stch.scalarization import client_log_weights, stch_set
 
 
 def test_streamed_sum_equals_direct_sum_for_stch_weights():

@@ -1,4 +1,4 @@
-"""K=auto (fedfew.auto_k) and mu over rounds (fedfew.mu_schedule), issue 19: the retire rule on
+"""K=auto (fedfew.stch.auto_k) and mu over rounds (fedfew.stch.mu_schedule), issue 19: the retire rule on
 loss matrices computed by hand, its patience and order, K=auto that cannot retire equals fixed
 K, a resume after K changed equals the uninterrupted run, the schedules' values, and the
 config errors raised before any compute."""
@@ -11,12 +11,12 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import compose_config
-from fedfew.auto_k import AutoK, redundant_models
-from fedfew.checkpoint import checkpoint_path
-from fedfew.config import ConfigError, validate_config
-from fedfew.module import KModelSet
-from fedfew.mu_schedule import effective_clients, round_mu, spread_mu
-from fedfew.simulation import Simulation
+from fedfew.stch.auto_k import AutoK, redundant_models
+from fedfew.core.checkpoint import checkpoint_path
+from fedfew.config.rules import ConfigError, validate_config
+from fedfew.core.model_set import KModelSet
+from fedfew.stch.mu_schedule import effective_clients, round_mu, spread_mu
+from fedfew.core.simulation import Simulation
 from torch import nn
 
 
@@ -311,7 +311,7 @@ def test_every_change_of_k_is_logged(tmp_path):
     import csv
     import json
 
-    from fedfew.monitoring import load_table, read_wandb_run
+    from fedfew.reporting.wandb_monitor import load_table, read_wandb_run
     from test_monitoring import train
 
     run_dir = tmp_path / "run"

@@ -31,9 +31,9 @@ from fedfew.algorithms.fedamp import attention_weights, squared_distances
 from fedfew.algorithms.fedmgda import min_norm_weights, project_simplex_box, weight_bounds
 from fedfew.algorithms.fedmtl import centering_omega, regulariser, regulariser_gradient
 from fedfew.algorithms.fedsoft import importance_weights, per_sample_losses, proximal_centre
-from fedfew.config import ConfigError, validate_config
-from fedfew.module import assign_flat_
-from fedfew.seeding import derive_seed
+from fedfew.config.rules import ConfigError, validate_config
+from fedfew.core.model_set import assign_flat_
+from fedfew.core.seeding import derive_seed
 
 from conftest import CONF_DIR, compose_config
 from test_baselines import client_xy, close, flat, manual_sgd, small_sim

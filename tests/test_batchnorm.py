@@ -14,14 +14,14 @@ from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms.fedbn import local_tensors
-from fedfew.checkpoint import load_checkpoint, save_checkpoint
-from fedfew.config import ConfigError, validate_config
+from fedfew.core.checkpoint import load_checkpoint, save_checkpoint
+from fedfew.config.rules import ConfigError, validate_config
 from fedfew.data.base import ClientSplit, FederatedData
-from fedfew.local import batch_bounds, train_local
+from fedfew.core.local_training import batch_bounds, train_local
 from fedfew.models import MODELS, DataInfo
-from fedfew.module import assign_state_, assign_tensors_, flat_state, flatten_tensors, named_state
-from fedfew.seeding import derive_seed
-from fedfew.simulation import Simulation
+from fedfew.core.model_set import assign_state_, assign_tensors_, flat_state, flatten_tensors, named_state
+from fedfew.core.seeding import derive_seed
+from fedfew.core.simulation import Simulation
 
 from conftest import compose_config
 

@@ -1,4 +1,4 @@
-"""What a run spends (fedfew.budget, issue #16): bytes per participating client per round equal
+"""What a run spends (fedfew.core.budget, issue #16): bytes per participating client per round equal
 hand counts (FedFew K models both ways, FedAvg one, FedRep the body, IFCA 1 up K down, Local
 nothing; element size of the parameters' dtype), and a run's results.json / metrics.csv report
 bytes per round, cumulative bytes and the local SGD steps actually taken."""
@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
-from fedfew.budget import StepCounter, bytes_per_parameter, communication
+from fedfew.core.budget import StepCounter, bytes_per_parameter, communication
 from fedfew.models.base import BodyHead
-from fedfew.simulation import Simulation
+from fedfew.core.simulation import Simulation
 
 from conftest import compose_config
 

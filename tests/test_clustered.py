@@ -12,13 +12,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from fedfew.config import ConfigError, validate_config
+from fedfew.config.rules import ConfigError, validate_config
 from fedfew.data.base import PooledDataset
 from fedfew.data.datasets.digits import load as load_digits
 from fedfew.data.federated import build_federated_data, partition_seed
 from fedfew.data.groups import GroupError, label_permutations, make_groups
 from fedfew.data.partition import client_groups
-from fedfew.evaluation import summarize
+from fedfew.core.evaluation import summarize
 
 from conftest import compose_config
 
@@ -181,7 +181,7 @@ def test_collapse_warning_names_only_keys_the_run_has_not_set(capsys, algorithm,
     from types import SimpleNamespace
 
     from fedfew.algorithms import ALGORITHMS
-    from fedfew.diagnostics import CollapseWatch
+    from fedfew.reporting.collapse_watch import CollapseWatch
 
     cfg = compose_config(f"algorithm={algorithm}", "algorithm.K=4", *overrides)
     sim = SimpleNamespace(algorithm=ALGORITHMS.get(algorithm), cfg=cfg, fabric=SimpleNamespace(global_rank=0),

@@ -129,8 +129,8 @@ def test_clients_whose_scored_model_diverged_are_counted_per_seed_even_above_the
 
 
 def test_a_runs_summary_names_the_clients_whose_scored_model_diverged():
-    from fedfew.callbacks import summary_lines
-    from fedfew.runs import diverged_clients
+    from fedfew.reporting.callbacks import summary_lines
+    from fedfew.experiments.run_folders import diverged_clients
 
     run = fake_results(0.6, [0.5, 0.3, 0.2])
     run["summary"].update(models_served=[3])
@@ -535,11 +535,11 @@ def test_an_interrupted_run_continues_from_its_checkpoint_with_the_same_figures(
 
 
 def test_launched_runs_checkpoint_and_drop_the_checkpoint_when_done(tmp_path):
-    """fedfew.launch adds checkpoint_every (unless set) and resume (when a checkpoint exists), and
+    """fedfew.experiments.launch adds checkpoint_every (unless set) and resume (when a checkpoint exists), and
     deletes the checkpoint after a successful run it added checkpointing to."""
     import sys
 
-    from fedfew import launch
+    from fedfew.experiments import launch as launch
 
     script = tmp_path / "fake.py"
     script.write_text("import json, os, sys\n"
@@ -656,7 +656,7 @@ def test_eval_also_gives_a_second_table_from_the_same_runs(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_diverged_run_is_reported_with_a_non_zero_exit_and_reused_as_such(tmp_path, capsys):
-    """optim.lr=1e8: fedfew's run stops early with exit code 3 (fedfew.nonfinite); the comparison
+    """optim.lr=1e8: fedfew's run stops early with exit code 3 (fedfew.core.nonfinite); the comparison
     keeps it in the table, names it in a warning and exits 1; run again, it reuses it and says the same."""
     out = tmp_path / "cmp"
     argv = ["--dataset", "digits", "--algorithms", "fedfew", "--seeds", "0", "--out", str(out), "--",

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fedfew.config import RULES, ConfigError, rules_markdown, validate_config
+from fedfew.config.rules import RULES, ConfigError, rules_markdown, validate_config
 
 from conftest import compose_config
 
@@ -55,7 +55,7 @@ def test_bad_values_are_named(override, needle):
 def test_rule_choices_match_the_registries():
     """The names a rule accepts are exactly what the code can build (no drift between the two)."""
     from fedfew.engines import ENGINES
-    from fedfew.module import LR_SCHEDULES, OPTIMIZERS
+    from fedfew.core.model_set import LR_SCHEDULES, OPTIMIZERS
 
     rules = {rule.key: rule for rule in RULES}
     for key, names in (("optim.name", OPTIMIZERS), ("optim.schedule", LR_SCHEDULES), ("engine", ENGINES.names())):
@@ -68,7 +68,7 @@ def test_engine_methods_are_read_from_the_sources_as_the_classes_say():
     """validate_config reads ``uses_engine`` from the algorithms' sources (no torch); what it reads
     is what the imported classes say, for every algorithm (inherited values included)."""
     from fedfew.algorithms import ALGORITHMS
-    from fedfew.registry import declared, registered_names
+    from fedfew.core.registry import declared, registered_names
 
     assert registered_names("fedfew.algorithms") == ALGORITHMS.names()
     read = {name: declared("fedfew.algorithms", name, "uses_engine") for name in ALGORITHMS.names()}

@@ -13,10 +13,10 @@ from fedfew.engines import ENGINES
 from fedfew.engines.base import ClientJob
 from fedfew.engines.loop import LoopEngine
 from fedfew.engines.vmap import VmapEngine
-from fedfew.local import train_local
-from fedfew.module import KModelSet, flat_parameters, flat_state
-from fedfew.seeding import derive_seed
-from fedfew.simulation import Simulation
+from fedfew.core.local_training import train_local
+from fedfew.core.model_set import KModelSet, flat_parameters, flat_state
+from fedfew.core.seeding import derive_seed
+from fedfew.core.simulation import Simulation
 
 from conftest import compose_config, real_data_dir
 

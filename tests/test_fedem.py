@@ -14,8 +14,8 @@ from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms.fedem import Mixture, responsibilities
-from fedfew.config import validate_config
-from fedfew.seeding import derive_seed
+from fedfew.config.rules import validate_config
+from fedfew.core.seeding import derive_seed
 
 from conftest import CONF_DIR, compose_config
 from test_baselines import BATCH, LR, client_xy, close, flat, small_sim, weighted_mean

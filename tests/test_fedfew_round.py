@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedfew.scalarization import stch_set
-from fedfew.seeding import derive_seed
-from fedfew.simulation import Simulation, shard_clients
+from fedfew.stch.scalarization import stch_set
+from fedfew.core.seeding import derive_seed
+from fedfew.core.simulation import Simulation, shard_clients
 
 from conftest import compose_config
 

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from conftest import compose_config
-from fedfew.config import ConfigError, validate_config
+from fedfew.config.rules import ConfigError, validate_config
 from fedfew.data.federated import build_federated_data
 from fedfew.data.partition import PartitionError
 

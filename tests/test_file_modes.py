@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedfew.io import atomic_torch_save, atomic_write_bytes, atomic_write_json, atomic_write_text, current_umask
+from fedfew.core.io import atomic_torch_save, atomic_write_bytes, atomic_write_json, atomic_write_text, current_umask
 from test_train_cli import ROOT
 
 

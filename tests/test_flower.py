@@ -2,7 +2,7 @@
 
 - every supported algorithm through real Flower Messages and records (the ClientApp called in
   process, :class:`~fedfew.flower.server.LocalTransport`): the same per-client accuracies, alpha,
-  w, losses and server models as :class:`fedfew.simulation.Simulation`;
+  w, losses and server models as :class:`fedfew.core.simulation.Simulation`;
 - Flower's simulation engine (Ray) and a real deployment (``flower-superlink`` + 8
   ``flower-supernode`` processes on localhost, each reading its own data directory): the same;
 - faults: a node with a wrong partition id or a missing data directory is named by the server;
@@ -42,7 +42,7 @@ def _config(algorithm: str, rounds: int, *extra: str):
 def _simulate(cfg, run_dir: Path) -> dict:
     from lightning.fabric import Fabric
 
-    from fedfew.simulation import Simulation
+    from fedfew.core.simulation import Simulation
 
     with contextlib.redirect_stdout(io.StringIO()):
         return Simulation(cfg, Fabric(accelerator="cpu", devices=1), run_dir).fit()

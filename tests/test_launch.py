@@ -1,4 +1,4 @@
-"""Two tools never write into one folder at once (fedfew.launch.exclusive, check_not_training)."""
+"""Two tools never write into one folder at once (fedfew.experiments.launch.exclusive, check_not_training)."""
 from __future__ import annotations
 
 import signal
@@ -9,8 +9,9 @@ import textwrap
 
 import pytest
 
-from fedfew import compare, runs, tune
-from fedfew.launch import FAILED_RESULTS, LOCK_FILE, Busy, exclusive, launch, outcome, progress
+from fedfew import compare, tune
+from fedfew.experiments import run_folders as runs
+from fedfew.experiments.launch import FAILED_RESULTS, LOCK_FILE, Busy, exclusive, launch, outcome, progress
 from fedfew.tune import TuneError
 
 from conftest import idle_process
@@ -18,7 +19,7 @@ from test_tune import FAKE_TRAIN
 
 HOLDER = textwrap.dedent('''
     import sys, time
-    from fedfew.launch import exclusive
+    from fedfew.experiments.launch import exclusive
     with exclusive(sys.argv[1], "make compare"):
         print("held", flush=True)
         time.sleep(120)

@@ -1,5 +1,5 @@
 """Local learning-rate schedules over rounds (``optim.schedule``): hand values of
-:func:`fedfew.module.round_lr`, and the scheduled lr reaching every engine's optimizer."""
+:func:`fedfew.core.model_set.round_lr`, and the scheduled lr reaching every engine's optimizer."""
 from __future__ import annotations
 
 import math
@@ -8,8 +8,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from fedfew.module import flat_parameters, round_lr
-from fedfew.simulation import Simulation
+from fedfew.core.model_set import flat_parameters, round_lr
+from fedfew.core.simulation import Simulation
 
 from conftest import compose_config
 

@@ -40,7 +40,7 @@ def test_optimizer_choice_reaches_local_training():
     import pytest
     from torch import nn
 
-    from fedfew.module import KModelSet
+    from fedfew.core.model_set import KModelSet
 
     torch.manual_seed(0)
     x, y = torch.randn(8, 3), torch.tensor([0, 1] * 4)

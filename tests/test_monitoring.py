@@ -17,8 +17,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from fedfew.callbacks import round_scalars
-from fedfew.monitoring import (
+from fedfew.reporting.callbacks import round_scalars
+from fedfew.reporting.wandb_monitor import (
     WandbMonitor, client_columns, find_wandb_runs, load_table, per_model_scalars, read_wandb_run, wandb_scalars,
 )
 
@@ -189,7 +189,7 @@ def test_round_payload_for_a_baseline_has_assignment_but_no_alpha():
 
 
 def test_wandb_errors_never_stop_a_run(tmp_path):
-    from fedfew.loggers import WandbLogger
+    from fedfew.reporting.loggers import WandbLogger
 
     logger = WandbLogger(OmegaConf.create({"name": "wandb", "mode": "no-such-mode"}), tmp_path)
     with warnings.catch_warnings(record=True) as caught:
@@ -204,7 +204,7 @@ def test_wandb_errors_never_stop_a_run(tmp_path):
 
 
 def test_plots_from_history_with_partial_participation(tmp_path):
-    from fedfew.plots import per_client_matrix, write_plots
+    from fedfew.reporting.plots import per_client_matrix, write_plots
 
     rng = np.random.default_rng(0)
     M, K = 6, 2

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from fedfew.aggregation import LogWeightedSum
-from fedfew.scalarization import stch_set
+from fedfew.core.aggregation import LogWeightedSum
+from fedfew.stch.scalarization import stch_set
 
 
 def _clients(M: int, seed: int = 0):

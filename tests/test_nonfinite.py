@@ -1,4 +1,4 @@
-"""Divergence is an outcome (fedfew.nonfinite): a fully diverged run stops early with its exit code
+"""Divergence is an outcome (fedfew.core.nonfinite): a fully diverged run stops early with its exit code
 and a verdict; non-finite clients and local copies are recorded once, with their rounds; a
 non-finite personal state stops a run under fail_on_nonfinite."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from fedfew.algorithms.base import Algorithm, Context
-from fedfew.nonfinite import DIVERGED_EXIT, DIVERGED_ROUNDS, NonFiniteLog, describe
-from fedfew.simulation import Simulation
+from fedfew.core.nonfinite import DIVERGED_EXIT, DIVERGED_ROUNDS, NonFiniteLog, describe
+from fedfew.core.simulation import Simulation
 
 from conftest import compose_config
 

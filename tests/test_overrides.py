@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from fedfew.overrides import (IgnoredKeyError, UnknownChoiceError, UnknownKeyError, check_overrides, closest_key,
+from fedfew.config.overrides import (IgnoredKeyError, UnknownChoiceError, UnknownKeyError, check_overrides, closest_key,
                               has_key)
 from test_train_cli import train
 
@@ -200,7 +200,7 @@ def test_iid_clients_too_small_name_fewer_clients_and_the_validation_split():
 
 def test_engine_clients_is_a_real_key_checked_before_training():
     from conftest import compose_config
-    from fedfew.config import ConfigError, validate_config
+    from fedfew.config.rules import ConfigError, validate_config
 
     assert compose_config().engine_clients == "auto"
     validate_config(compose_config("engine_clients=4"))

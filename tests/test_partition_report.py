@@ -17,7 +17,7 @@ from rich.console import Console
 from conftest import compose_config
 from fedfew.data.federated import build_federated_data, partition_seed
 from fedfew.data.partition import partition_summary
-from fedfew.partition_report import PartitionReport, partition_title
+from fedfew.reporting.partition_report import PartitionReport, partition_title
 
 ROOT = Path(__file__).resolve().parents[1]
 

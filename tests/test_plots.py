@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedfew import plots
+from fedfew.reporting import plots as plots
 
 SUMMARY = {"acc_mean": 0.5, "acc_std": 0.1, "acc_min": 0.3, "acc_max": 0.8, "acc_weighted": 0.55,
            "majority_acc_mean": 0.2}

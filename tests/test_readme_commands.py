@@ -64,7 +64,7 @@ CHEAP: dict[str, tuple[list[str], str]] = {
     "make test": (["-n", "PYTEST_ARGS=--collect-only"], "-m pytest --collect-only"),
     "make runs": (["ROOT={run}/.."], "fedfew"),
     "make notebook 'RUN=outputs/digits/fedfew/<run>'": (["RUN={run}"], "analysis.html"),
-    ".venv/bin/python -m fedfew.plots 'outputs/digits/fedfew/<run>'": ([], "plots"),
+    ".venv/bin/python -m fedfew.reporting.plots 'outputs/digits/fedfew/<run>'": ([], "plots"),
     "make train ARGS=logger=wandb": (
         ["ARGS=rounds=1 num_clients=4 trainer.threads=1 hydra.run.dir={tmp}/r"], "wandb sync"),
     "make train DATASET=agnews DATA_DIR=../shared/data": (
@@ -172,8 +172,8 @@ def test_cheap_form_keeps_the_readme_command_and_overrides_its_keys():
     argv = cheap_form("make compare DATASET=digits 'ALGORITHMS=fedfew fedavg fedrep' 'SEEDS=0 1 2' JOBS=2", fill)
     assert argv[-7:] == ["compare", "DATASET=digits", "ALGORITHMS=fedfew fedavg fedrep", "SEEDS=0", "JOBS=2",
                          "COMPARE_OUT=/t/compare", "ARGS=rounds=1 num_clients=4"]
-    argv = cheap_form(".venv/bin/python -m fedfew.plots 'outputs/digits/fedfew/<run>'", fill)
-    assert argv == [sys.executable, "-m", "fedfew.plots", "/r"]
+    argv = cheap_form(".venv/bin/python -m fedfew.reporting.plots 'outputs/digits/fedfew/<run>'", fill)
+    assert argv == [sys.executable, "-m", "fedfew.reporting.plots", "/r"]
 
 
 @pytest.fixture(scope="module")

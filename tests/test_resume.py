@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from conftest import compose_config
-from fedfew.checkpoint import ADDED_KEYS, RESUME_FREE_KEYS, ResumeError, check_resume_config, checkpoint_path, resolve_resume
-from fedfew.loggers import RoundCSVLogger
-from fedfew.simulation import Simulation
+from fedfew.core.checkpoint import ADDED_KEYS, RESUME_FREE_KEYS, ResumeError, check_resume_config, checkpoint_path, resolve_resume
+from fedfew.reporting.loggers import RoundCSVLogger
+from fedfew.core.simulation import Simulation
 from fedfew.train import preflight
 from test_train_cli import ROOT, train
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from fedfew.data.federated import build_federated_data
-from fedfew.scalarization import stch_set
-from fedfew.simulation import Simulation, select_participants
+from fedfew.stch.scalarization import stch_set
+from fedfew.core.simulation import Simulation, select_participants
 
 from conftest import compose_config
 from test_train_cli import ROOT, train
@@ -36,7 +36,7 @@ def test_nonfinite_client_is_excluded_and_recorded_without_a_warning_per_round(t
     cfg = compose_config("num_clients=6", "logger=none", "algorithm.mu=0.5")
     sim = Simulation(cfg, cpu_fabric, tmp_path, data=poisoned(cfg, 2))
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # recorded (fedfew.nonfinite), not warned
+        warnings.simplefilter("error")  # recorded (fedfew.core.nonfinite), not warned
         logs = sim.run_round(1)
     assert logs["excluded"] == [2] and logs["nonfinite_clients"] == [2]
     K = sim.module.K

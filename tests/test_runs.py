@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fedfew import runs
-from fedfew.callbacks import ConsoleReport, print_client_table
+from fedfew.experiments import run_folders as runs
+from fedfew.reporting.callbacks import ConsoleReport, print_client_table
 from conftest import idle_process
 from test_train_cli import train
 
@@ -83,9 +83,9 @@ def test_printed_commands_name_the_running_interpreter(tmp_path, monkeypatch):
     bin_dir.mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
-    assert runs.python_command("fedfew.plots") == ".venv/bin/python -m fedfew.plots"
+    assert runs.python_command("fedfew.reporting.plots") == ".venv/bin/python -m fedfew.reporting.plots"
     monkeypatch.chdir(bin_dir)
-    assert runs.python_command("fedfew.plots") == "./python -m fedfew.plots"  # not a PATH lookup
+    assert runs.python_command("fedfew.reporting.plots") == "./python -m fedfew.reporting.plots"  # not a PATH lookup
     monkeypatch.setattr(sys, "executable", "/opt/my env/bin/python3")  # shorter than ../../../../opt/...
     assert runs.python_command("fedfew.train") == "'/opt/my env/bin/python3' -m fedfew.train"
     monkeypatch.setattr(sys, "executable", "")  # no interpreter path known (embedded Python)
@@ -101,7 +101,7 @@ def test_where_lines_name_the_folder_notebook_and_plots(tmp_path, monkeypatch):
                      "  notebook: .venv/bin/python -m fedfew.notebook outputs/digits/fedfew/2026-01-01_12-00-00_K-5   "
                      "(writes analysis.html there)",
                      "  plots:    outputs/digits/fedfew/2026-01-01_12-00-00_K-5/plots   "
-                     "(redraw: .venv/bin/python -m fedfew.plots outputs/digits/fedfew/2026-01-01_12-00-00_K-5)"]
+                     "(redraw: .venv/bin/python -m fedfew.reporting.plots outputs/digits/fedfew/2026-01-01_12-00-00_K-5)"]
     monkeypatch.chdir(runs.CHECKOUT)
     assert runs.where_lines(run_dir)[1].startswith(f"  notebook: make notebook RUN={run_dir}")
     stopped = runs.where_lines(run_dir, finished=False)
@@ -137,7 +137,7 @@ def fake_sim(rounds: int, run_dir: Path, start_round: int = 1):
 
 def test_plain_progress_lines_at_most_every_interval_but_always_evaluations(tmp_path, capsys, monkeypatch):
     clock = iter([0.0, 3.0, 6.0, 9.0, 12.0, 15.0, 18.0])  # fit start, then rounds 1..6 three seconds apart
-    monkeypatch.setattr("fedfew.callbacks.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("fedfew.reporting.callbacks.time.monotonic", lambda: next(clock))
     report = ConsoleReport(interval_s=10.0, plain=True)
     sim = fake_sim(6, tmp_path)
     report.on_fit_start(sim)
@@ -158,7 +158,7 @@ def test_plain_progress_lines_at_most_every_interval_but_always_evaluations(tmp_
 
 def test_plain_progress_every_round_when_rounds_are_slow(tmp_path, capsys, monkeypatch):
     clock = iter([0.0, 11.0, 22.0, 33.0])
-    monkeypatch.setattr("fedfew.callbacks.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("fedfew.reporting.callbacks.time.monotonic", lambda: next(clock))
     report = ConsoleReport(interval_s=10.0, plain=True)
     sim = fake_sim(5, tmp_path, start_round=3)  # resumed at round 3
     report.on_fit_start(sim)

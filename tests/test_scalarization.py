@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedfew.scalarization import client_log_weights, stch_set, stch_value, weight_losses
+from fedfew.stch.scalarization import client_log_weights, stch_set, stch_value, weight_losses
 
 
 @pytest.mark.parametrize("M,K,mu", [(5, 3, 0.5), (20, 3, 0.01), (7, 1, 1.0), (3, 4, 2.0)])

@@ -115,7 +115,7 @@ def test_bad_values_are_reported_before_torch_is_imported(tmp_path, overrides, s
     report = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
     assert report[0] == "error: invalid configuration:" and said in "\n".join(report)
     imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert {"fedfew.config", "hydra", "omegaconf"} <= imported  # the list is complete...
+    assert {"fedfew.config.rules", "hydra", "omegaconf"} <= imported  # the list is complete...
     assert not {"torch", "lightning"} & imported  # ...and holds neither
     assert not run_dir.exists()
 

@@ -48,7 +48,7 @@ if lr > float(os.environ.get("FAKE_NAN_ABOVE", "inf")):
 if lr > float(os.environ.get("FAKE_NAN_ABOVE", "inf")) and os.environ.get("FAKE_NAN_SEED", args["seed"]) == args["seed"]:
     nonfinite = {"clients": {"2": {"first_round": 2, "last_round": 3, "rounds": 2, "what": ["local copy of model 0"]}},
                  "diverged_rounds": [], "stopped_at": None, "verdict": "nonfinite"}
-    if os.environ.get("FAKE_STOP"):  # every client non-finite: the run stops early (fedfew.nonfinite)
+    if os.environ.get("FAKE_STOP"):  # every client non-finite: the run stops early (fedfew.core.nonfinite)
         nonfinite.update(diverged_rounds=[1, 2, 3], stopped_at=3, verdict="diverged")
 evals = [{"round": r, "acc_mean": acc - 0.01 * (3 - r)} for r in (1, 2, 3)]
 with open(os.path.join(run_dir, "results.json"), "w") as f:
@@ -143,12 +143,12 @@ def test_the_default_folder_names_the_setup_and_points_to_an_older_one(tmp_path,
     # a study in the folder every setup used before is pointed to, and nothing is started before the note
     (tmp_path / "tune" / "digits" / "fedavg").mkdir(parents=True)
     (tmp_path / "tune" / "digits" / "fedavg" / "study.db").write_bytes(b"")
-    from fedfew.runs import older_setup_folder
+    from fedfew.experiments.run_folders import older_setup_folder
 
     new = tmp_path / "tune" / "digits_partition-pathological"
     assert older_setup_folder("tune", "digits", new, "*/study.db") == tmp_path / "tune" / "digits"
     assert older_setup_folder("tune", "digits", tmp_path / "tune" / "digits", "*/study.db") is None
-    from fedfew.runs import older_setup_note
+    from fedfew.experiments.run_folders import older_setup_note
 
     assert older_setup_note("tune", "digits", new) == (
         f"note: {tmp_path / 'tune' / 'digits'} holds a tune made before the default folder named its setup; "
@@ -326,7 +326,7 @@ def test_an_interrupted_trial_runs_again_with_its_values_and_a_failed_one_stops_
 def test_an_interrupted_trial_reuses_its_finished_runs_and_continues_its_checkpoints(tmp_path, fake):
     """A killed tune's trial folder is taken over by the trial that repeats it, and its seed's
     checkpoint is resumed from (results reused and stale folders restarted: the same
-    fedfew.launch.progress as make compare's, tests/test_compare.py)."""
+    fedfew.experiments.launch.progress as make compare's, tests/test_compare.py)."""
     import optuna
 
     command, log = fake

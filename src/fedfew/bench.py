@@ -4,7 +4,7 @@ Writes ``bench.json`` (every figure) and ``bench.md`` (tables) atomically into `
 (default ``outputs/bench``). Every measurement runs in its own subprocess, so each reports
 its own peak host memory (``ru_maxrss``) and, on a GPU, peak device memory.
 
-What is measured (FedFew rounds through :class:`fedfew.simulation.Simulation`, the real round
+What is measured (FedFew rounds through :class:`fedfew.core.simulation.Simulation`, the real round
 loop with aggregation and server step):
 
 * **throughput** -- the paper's configs, ``engine=loop`` and ``engine=vmap`` in the same run:
@@ -60,6 +60,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedfew.config.compose import compose
+
 #: the reference implementation's AG News round on 2 CPU cores (pgg3/FedFew on PFLlib)
 REFERENCE_ROUND_S = 220.0
 REFERENCE_STEP_S = 1.2
@@ -113,18 +115,6 @@ def peak_matmul_flops(device, dtype_name: str = "float32", size: int | None = No
         if time.perf_counter() > deadline:
             break
     return 2.0 * n**3 / best
-
-
-def compose(overrides: list[str]):
-    """The run config as ``python -m fedfew.train <overrides>`` sees it."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    conf = Path(__file__).resolve().parent / "conf"
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides))
 
 
 def _client_bounds(pool: int, num_clients: int, sizes=None):
@@ -383,7 +373,7 @@ def case_round(spec: dict) -> dict:
 
 
 def build_case_sim(spec: dict, run_dir: Path, data=None):
-    """The :class:`~fedfew.simulation.Simulation` of one bench case.
+    """The :class:`~fedfew.core.simulation.Simulation` of one bench case.
 
     Args:
         spec: ``device`` (cpu | cuda), ``dataset``, ``M``, ``K``, ``engine``, optional
@@ -395,7 +385,7 @@ def build_case_sim(spec: dict, run_dir: Path, data=None):
         run_dir: the simulation's run folder.
         data: prebuilt :class:`~fedfew.data.base.FederatedData` (``spec["data"]`` ignored).
     """
-    from fedfew.simulation import Simulation
+    from fedfew.core.simulation import Simulation
 
     overrides = [
         f"dataset={spec['dataset']}", f"num_clients={spec['M']}", f"algorithm.K={spec['K']}", "local_epochs=1",
@@ -421,7 +411,7 @@ def build_case_sim(spec: dict, run_dir: Path, data=None):
 
 
 def _participants(sim, rnd: int) -> list[int]:
-    from fedfew.simulation import select_participants
+    from fedfew.core.simulation import select_participants
 
     return select_participants(sim.cfg, rnd, sim.num_clients)
 
@@ -536,7 +526,7 @@ def devices_run(data_dir: str | None, devices: int, rounds: int, participants: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fedfew.runs import python_command
+    from fedfew.experiments.run_folders import python_command
 
     parser = argparse.ArgumentParser(prog=python_command("fedfew.bench"), description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true", help="the paper's sizes (default on a GPU)")
@@ -586,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def drive(args) -> int:
-    from fedfew.io import atomic_write_json, atomic_write_text
+    from fedfew.core.io import atomic_write_json, atomic_write_text
 
     device = detect_device(args.device)
     full = args.full or (device == "cuda" and not args.small)
@@ -993,7 +983,7 @@ def _set_threads(sizes: "CheckSizes") -> None:
 
 def _emit(section: str, event: str, **fields: Any) -> None:
     """One protocol line for the driver: ``GPU_CHECK {"section", "event", ...}``."""
-    from fedfew.io import to_jsonable
+    from fedfew.core.io import to_jsonable
 
     print(_EVENT + json.dumps(to_jsonable({"section": section, "event": event, **fields})), flush=True)
 
@@ -1154,7 +1144,7 @@ def gpu_check_data(spec: dict) -> int:
     on a GPU, the smoke mode's subset on the CPU), decode it once into the tensor cache
     ($FEDFEW_CACHE_DIR, set by the driver), then write ``<work>/data_status.json`` (``ok``,
     counts, seconds, or ``error``) for the runner."""
-    from fedfew.io import atomic_write_json
+    from fedfew.core.io import atomic_write_json
 
     work = Path(spec["work"])
     start = time.perf_counter()
@@ -1267,7 +1257,7 @@ def check_correctness(ctx: CheckContext) -> dict:
     multi-client chunks. Passes when max |theta_loop - theta_vmap| <= :data:`CORRECTNESS_ATOL`."""
     import torch
 
-    from fedfew.module import flat_parameters
+    from fedfew.core.model_set import flat_parameters
 
     sz = ctx.sizes
     cases = {
@@ -1598,7 +1588,7 @@ def gpu_check_run(plan: dict) -> int:
     end = float(plan["started"]) + budget
     work = Path(plan["work"]) if plan.get("work") else None
     ctx = CheckContext(mode, sizes, work, bool(plan.get("use_data")))
-    import fedfew.simulation  # noqa: F401 - the heavy imports (lightning) before the driver starts the data process
+    import fedfew.core.simulation  # noqa: F401 - the heavy imports (lightning) before the driver starts the data process
     _emit("machine", "done", result=machine_info(device), mode=mode, end=end, budget_s=budget)
     sections = list(plan["sections"])
     # tests of the driver's recovery: FEDFEW_GPU_CHECK_FAULT=<section>:crash ends this process there
@@ -1667,7 +1657,7 @@ def gpu_check(args) -> int:
     from collections import deque
     from datetime import datetime, timezone
 
-    from fedfew.io import atomic_write_json, atomic_write_text
+    from fedfew.core.io import atomic_write_json, atomic_write_text
 
     started = float(args.started_at) if args.started_at else time.time()
     if args.device == "cuda":

@@ -3,9 +3,9 @@ makes before it loads any data, and that the dataset's files are on this machine
 training, in a few seconds.
 
 The same steps, in the same order: command-line keys that no config defines
-(:func:`fedfew.overrides.check_overrides`), Hydra's composition of ``conf/config.yaml`` with the
+(:func:`fedfew.config.overrides.check_overrides`), Hydra's composition of ``conf/config.yaml`` with the
 overrides (unknown groups and options, bad syntax), then :func:`fedfew.train.preflight` (the value
-rules of :mod:`fedfew.config`, the dataset/model/algorithm names, and an explicit ``resume=<path>``'s
+rules of :mod:`fedfew.config.rules`, the dataset/model/algorithm names, and an explicit ``resume=<path>``'s
 checkpoint and its config). ``resume=auto`` is checked by the job itself: its run folder does not
 exist yet. Then :func:`check_data`: the dataset's files under ``data_dir`` exist (found as the loader
 finds them, nothing read), unless ``--data-on-nodes`` says they exist only where the job runs.
@@ -22,32 +22,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-#: the configs of ``python -m fedfew.train`` (conf/, linked into the package)
-CONFIG_DIR = Path(__file__).resolve().parent / "conf"
+from fedfew.config.compose import compose
+
 #: the flag that skips :func:`check_data` (``make slurm DATA_ON_NODES=1``)
 DATA_ON_NODES = "--data-on-nodes"
-
-
-def compose(overrides: list[str]) -> DictConfig:
-    """The run config of ``python -m fedfew.train <overrides>`` (Hydra's compose API; no run
-    folder is made).
-
-    Raises:
-        ValueError: Hydra cannot compose it (its message: unknown group option, bad override...).
-    """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            return hydra_compose(config_name="config", overrides=list(overrides))
-    except HydraException as err:
-        raise ValueError(str(err)) from err
-    finally:
-        GlobalHydra.instance().clear()
 
 
 def check(overrides: list[str]) -> DictConfig:
@@ -58,7 +36,7 @@ def check(overrides: list[str]) -> DictConfig:
             unknown name, ResumeError); FileNotFoundError: an explicit ``resume`` path without
             a checkpoint.
     """
-    from fedfew.overrides import check_overrides
+    from fedfew.config.overrides import check_overrides
     from fedfew.train import preflight
 
     check_overrides(list(overrides))
@@ -82,7 +60,7 @@ def check_data(cfg: DictConfig) -> list[Path]:
     import importlib
 
     from fedfew.data.base import DataNotFoundError, resolve_data_dir
-    from fedfew.runs import python_command
+    from fedfew.experiments.run_folders import python_command
 
     name = cfg.dataset.name
     data_dir = resolve_data_dir(cfg.data_dir)

@@ -14,12 +14,12 @@ overrides (after ``--``) go to every run and win over the presets. The partition
 from the seed alone, and its hash is checked to be the same for every algorithm of a seed. A run
 whose ``results.json`` exists is reused, so an interrupted comparison resumes where it stopped;
 reusing results produced with different overrides is refused (a thread count, logger or
-``data_dir`` does not count: :func:`fedfew.runs.result_overrides`), and so is reusing results made
+``data_dir`` does not count: :func:`fedfew.experiments.run_folders.result_overrides`), and so is reusing results made
 from other data: the data in the runs' ``data_dir`` must have the fingerprint the results record
 (:mod:`fedfew.data.fingerprint`), so committed runs are reused from a clone anywhere with the data
 anywhere. A run that was cut short continues from its last checkpoint (every 5 rounds,
-:mod:`fedfew.launch`). User guide: docs/compare.md. compare.md and compare.csv name presets
-relative to the repository and the data folder as ``<data_dir>`` (:func:`fedfew.runs.portable_path`).
+:mod:`fedfew.experiments.launch`). User guide: docs/compare.md. compare.md and compare.csv name presets
+relative to the repository and the data folder as ``<data_dir>`` (:func:`fedfew.experiments.run_folders.portable_path`).
 
 An override for one method's own key (``algorithm.K=5``) fails for the algorithms without that
 key; ``++algorithm.K=5`` adds it where missing (ignored there), or compare that method apart.
@@ -56,13 +56,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from fedfew.checkpoint import checkpoint_path
-from fedfew.io import atomic_write_text
-from fedfew.launch import (FAILED_RESULTS, Busy, check_not_training, exclusive, launch, outcome, progress,
+from fedfew.core.checkpoint import checkpoint_path
+from fedfew.core.io import atomic_write_text
+from fedfew.experiments.launch import (FAILED_RESULTS, Busy, check_not_training, exclusive, launch, outcome, progress,
                            recorded_overrides, refused_checkpoint, tidy)
-from fedfew.nonfinite import DIVERGED_EXIT
-from fedfew.partition_report import partition_scheme
-from fedfew.runs import data_mismatch, diverged_clients, portable_command, portable_path, python_command
+from fedfew.core.nonfinite import DIVERGED_EXIT
+from fedfew.reporting.partition_report import partition_scheme
+from fedfew.experiments.run_folders import data_mismatch, diverged_clients, portable_command, portable_path, python_command
 
 MAJORITY = "majority label"
 """Name of the reference row: every client predicts the most frequent label of its train split."""
@@ -195,12 +195,12 @@ def setup_mismatch(rows: Sequence[dict[str, Any]], config: dict[str, Any]) -> st
 
 
 def check_reusable(run: Run) -> str:
-    """How far ``run`` got (:func:`fedfew.launch.progress`: ``done``, ``checkpoint`` or ``none``).
+    """How far ``run`` got (:func:`fedfew.experiments.launch.progress`: ``done``, ``checkpoint`` or ``none``).
 
     A run folder is this run's when it was made with the same overrides, up to those that do not
-    change results (:func:`fedfew.runs.result_overrides`: another thread count, e.g. JOBS=1 after
+    change results (:func:`fedfew.experiments.run_folders.result_overrides`: another thread count, e.g. JOBS=1 after
     JOBS=2, or another ``data_dir``), and from the same data: the data in ``run.data_dir`` has the
-    fingerprint its results or checkpoint record (:func:`fedfew.runs.data_mismatch`; for a run
+    fingerprint its results or checkpoint record (:func:`fedfew.experiments.run_folders.data_mismatch`; for a run
     recorded before the fingerprint, the same partition hash). So runs made in another folder or
     on another machine, the data elsewhere, are reused.
 
@@ -208,9 +208,9 @@ def check_reusable(run: Run) -> str:
         CompareError: its results or checkpoint come from different overrides, or from other data
             (the message names both fingerprints or partition hashes), or the data in
             ``run.data_dir`` cannot be read to tell.
-        Busy: a live process still trains it (:func:`fedfew.launch.check_not_training`).
+        Busy: a live process still trains it (:func:`fedfew.experiments.launch.check_not_training`).
     """
-    from fedfew.runs import result_overrides
+    from fedfew.experiments.run_folders import result_overrides
 
     check_not_training(run.dir)
     state = progress(run.dir, run.task_overrides())
@@ -238,7 +238,7 @@ def check_reusable(run: Run) -> str:
 
 def execute(run: Run, python: str = sys.executable) -> tuple[str, float, float, bool]:
     """Train ``run`` in a subprocess (output to its log file), from its checkpoint when it has
-    one (:func:`fedfew.launch.launch`).
+    one (:func:`fedfew.experiments.launch.launch`).
 
     Returns:
         (``done`` | ``failed`` | ``interrupted`` (stopped by a signal: its checkpoint is kept), wall
@@ -356,7 +356,7 @@ def build_model(config: dict[str, Any]):
 
         from fedfew.data.federated import build_federated_data
         from fedfew.models import MODELS
-        from fedfew.simulation import data_info
+        from fedfew.core.simulation import data_info
 
         cfg = OmegaConf.create(config)
         info = data_info(build_federated_data(cfg))
@@ -472,7 +472,7 @@ def below_majority(figures: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
 
 def diverged_runs(figures: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
     """One warning per method with clients whose scored model diverged on some seed
-    (:func:`fedfew.runs.diverged_clients`): those clients predict one class, and the method's row
+    (:func:`fedfew.experiments.run_folders.diverged_clients`): those clients predict one class, and the method's row
     averages them in, so its figures measure its preset's stability as much as the method.
 
     Args:
@@ -507,7 +507,7 @@ def summarize(results: dict[tuple[str, int], dict[str, Any]], algorithms: Sequen
     its runs (results.json ``budget``: rounds, local SGD steps (mean over seeds), server models,
     bytes per round and per participating client per round, d); lr, own keys and preset; the
     seeds where clients' scored models diverged, as "seed:count" (``diverged_clients_per_seed``,
-    :func:`fedfew.runs.diverged_clients`). Warnings: runs that differ in what every method shares,
+    :func:`fedfew.experiments.run_folders.diverged_clients`). Warnings: runs that differ in what every method shares,
     a method below the majority label on some seed (:func:`below_majority`), and one that diverged
     (:func:`diverged_runs`).
 
@@ -810,7 +810,7 @@ def write_plots(out: Path, results: dict[tuple[str, int], dict[str, Any]], algor
     import numpy as np
     from matplotlib.figure import Figure
 
-    from fedfew.plots import save_figure
+    from fedfew.reporting.plots import save_figure
 
     data = curves(results, algorithms)
     written = []
@@ -861,10 +861,10 @@ def default_algorithms() -> list[str]:
 
 
 def default_out(dataset: str, extra: Sequence[str], presets: str | None) -> Path:
-    """:func:`fedfew.runs.setup_folder` of kind ``compare``, plus ``_presets-<name>`` with
+    """:func:`fedfew.experiments.run_folders.setup_folder` of kind ``compare``, plus ``_presets-<name>`` with
     ``--presets`` (the tune folder's name for make tune's ``<out>/presets``), e.g.
     ``outputs/compare/digits_partition-dirichlet_presets-digits``."""
-    from fedfew.runs import setup_folder
+    from fedfew.experiments.run_folders import setup_folder
 
     setup = list(extra)
     if presets:
@@ -907,7 +907,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     forget_data()  # the data is read afresh by each comparison (check_reusable)
     from fedfew.algorithms import ALGORITHMS
-    from fedfew.runs import older_setup_note
+    from fedfew.experiments.run_folders import older_setup_note
     from fedfew.tune import LEFT_OUT, RUN_KEYS, TuneError, check_extra_keys, runnable_algorithms
 
     for alg in algorithms:
@@ -1002,7 +1002,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from fedfew.launch import pass_signals_on, stopped_exit_code
+    from fedfew.experiments.launch import pass_signals_on, stopped_exit_code
 
     pass_signals_on()
     try:

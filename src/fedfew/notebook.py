@@ -14,8 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from fedfew.io import atomic_write_text
-from fedfew.runs import python_command
+from fedfew.core.io import atomic_write_text
+from fedfew.experiments.run_folders import python_command
 
 #: the notebook of the checkout (editable install: src/fedfew -> repository root)
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "analysis.ipynb"

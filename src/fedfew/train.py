@@ -13,9 +13,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from fedfew.checkpoint import check_resume_config, checkpoint_path, load_checkpoint, resolve_resume
-from fedfew.config import validate_config
-from fedfew.runs import python_command, register_resolvers
+from fedfew.core.checkpoint import check_resume_config, checkpoint_path, load_checkpoint, resolve_resume
+from fedfew.config.rules import validate_config
+from fedfew.experiments.run_folders import python_command, register_resolvers
 
 register_resolvers()  # ${fedfew.run_suffix:...} in hydra.run.dir (run folder names)
 
@@ -28,11 +28,11 @@ def make_fabric(cfg: DictConfig, run_dir: Path):
     """Lightning Fabric from ``cfg.trainer`` with the loggers and callbacks of a run."""
     from lightning.fabric import Fabric
 
-    from fedfew.callbacks import ConsoleReport, LoggerBridge, PlotFiles, ResultFiles
-    from fedfew.diagnostics import CollapseWatch
-    from fedfew.loggers import build_loggers
-    from fedfew.monitoring import WandbMonitor
-    from fedfew.partition_report import PartitionReport
+    from fedfew.reporting.callbacks import ConsoleReport, LoggerBridge, PlotFiles, ResultFiles
+    from fedfew.reporting.collapse_watch import CollapseWatch
+    from fedfew.reporting.loggers import build_loggers
+    from fedfew.reporting.wandb_monitor import WandbMonitor
+    from fedfew.reporting.partition_report import PartitionReport
 
     t = cfg.trainer
     return Fabric(
@@ -43,16 +43,16 @@ def make_fabric(cfg: DictConfig, run_dir: Path):
 
 
 def check_registered(kind: str, package: str, name: str) -> None:
-    """Whether ``name`` is registered in ``package``'s registry (:mod:`fedfew.registry`), read
+    """Whether ``name`` is registered in ``package``'s registry (:mod:`fedfew.core.registry`), read
     from the sources without importing them (importing every algorithm pulls in Lightning, seconds
     on a login node): by the project's rule the implementation of ``name`` is the module
     ``<package>/<name>.py`` and registers itself with ``register("<name>")``.
 
     Raises:
         ValueError: unknown name; the message names the closest and lists the available ones, as
-            ``Registry.get`` does (:func:`fedfew.registry.unknown_name`).
+            ``Registry.get`` does (:func:`fedfew.core.registry.unknown_name`).
     """
-    from fedfew.registry import registered_names, unknown_name
+    from fedfew.core.registry import registered_names, unknown_name
 
     available = registered_names(package)
     if name not in available:
@@ -70,10 +70,10 @@ class Preflight:
 
 
 def preflight(cfg: DictConfig, run_dir: Path | None) -> Preflight:
-    """Every check of a run that needs no data: :func:`fedfew.config.validate_config`, the
+    """Every check of a run that needs no data: :func:`fedfew.config.rules.validate_config`, the
     dataset, model and algorithm names against their registries, and, when resuming, the
     checkpoint's existence and its stored config against ``cfg``
-    (:func:`fedfew.checkpoint.check_resume_config`). ``make train`` runs it before loading
+    (:func:`fedfew.core.checkpoint.check_resume_config`). ``make train`` runs it before loading
     data, ``make slurm`` (:mod:`fedfew.check`) before ``sbatch``.
 
     Args:
@@ -112,7 +112,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         import torch
 
         from fedfew.data.federated import build_federated_data
-        from fedfew.simulation import Simulation
+        from fedfew.core.simulation import Simulation
 
         if cfg.trainer.get("threads"):
             torch.set_num_threads(int(cfg.trainer.threads))
@@ -156,7 +156,7 @@ def _preset(cfg: DictConfig) -> dict[str, Any] | None:
 
 
 def _continue_command(run_dir: Path) -> str:
-    """The command that resumes this run: this interpreter (:func:`fedfew.runs.python_command`),
+    """The command that resumes this run: this interpreter (:func:`fedfew.experiments.run_folders.python_command`),
     the run's own overrides, its folder and ``resume=auto``."""
     import shlex
 
@@ -207,7 +207,7 @@ def main(cfg: DictConfig) -> None:
     try:
         results = run(cfg, run_dir)
         if results.get("summary", {}).get("verdict") == "diverged":
-            from fedfew.nonfinite import DIVERGED_EXIT
+            from fedfew.core.nonfinite import DIVERGED_EXIT
 
             print(f"error: the run diverged (every client non-finite; results.json summary.verdict=diverged): "
                   f"{run_dir}", file=sys.stderr, flush=True)
@@ -235,8 +235,8 @@ def main(cfg: DictConfig) -> None:
 
 def cli() -> None:
     """``python -m fedfew.train`` / ``fedfew-train``: reject keys that no config defines
-    (:mod:`fedfew.overrides`, exit 2), then run Hydra's :func:`main`."""
-    from fedfew.overrides import main_check
+    (:mod:`fedfew.config.overrides`, exit 2), then run Hydra's :func:`main`."""
+    from fedfew.config.overrides import main_check
 
     main_check(sys.argv[1:])
     main()

@@ -8,7 +8,7 @@ trial is one isolated ``python -m fedfew.train`` subprocess per tuning seed with
 values, ``partition.val_fraction`` (``--val-fraction``, default 0.2: a stratified share of each
 client's train split held out, never trained on), ``eval.split=val`` (clients select their model
 on the train split and are scored on the validation split; the test split is never evaluated,
-:mod:`fedfew.evaluation`), ``~tuned`` (no existing preset leaks into a trial) and the extra
+:mod:`fedfew.core.evaluation`), ``~tuned`` (no existing preset leaks into a trial) and the extra
 overrides after ``--``. Its score is the client-mean validation accuracy, averaged over the
 last three evaluations of the run (``--objective last3``, default; ``final``: the last one),
 then over the tuning seeds.
@@ -22,11 +22,11 @@ error.
 Written to ``<out>`` (default ``<$FEDFEW_OUTPUT_DIR or outputs>/tune/<dataset><setup>``, the setup
 named from the extra overrides as a run folder's name is, e.g. ``outputs/tune/digits`` for the
 dataset's default setup and ``outputs/tune/digits_partition-pathological``;
-:func:`fedfew.runs.setup_folder`):
+:func:`fedfew.experiments.run_folders.setup_folder`):
 
 - ``<algorithm>/study.db``: the Optuna study (SQLite). An interrupted tune resumes: finished
   trials are kept, a trial that was running is run again with the same values, continuing from
-  its runs' last checkpoints (every 5 rounds, :mod:`fedfew.launch`).
+  its runs' last checkpoints (every 5 rounds, :mod:`fedfew.experiments.launch`).
 - ``<algorithm>/trial<NNN>/seed<S>``: each trial's run folders; ``logs/``: their output.
 - ``presets/<dataset>_<algorithm>.yaml``: the best values, with the search space, the trial
   budget, the best validation score, the seeds, the tuning setup and the command as comments.
@@ -71,15 +71,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from fedfew.checkpoint import ADDED_KEYS
-from fedfew.io import atomic_write_text
-from fedfew.launch import (Busy, check_not_training, exclusive, launch, outcome, pass_signals_on, progress,
+from fedfew.config.compose import ComposeError
+from fedfew.config.compose import compose as compose_config
+from fedfew.core.checkpoint import ADDED_KEYS
+from fedfew.core.io import atomic_write_text
+from fedfew.experiments.launch import (Busy, check_not_training, exclusive, launch, outcome, pass_signals_on, progress,
                            refused_checkpoint, stopped_exit_code, tidy)
-from fedfew.partition_report import partition_scheme
-from fedfew.runs import diverged_clients, portable_command, portable_overrides, python_command
-from fedfew.seeding import derive_seed
+from fedfew.reporting.partition_report import partition_scheme
+from fedfew.experiments.run_folders import diverged_clients, portable_command, portable_overrides, python_command
+from fedfew.core.seeding import derive_seed
 
-CONFIG_DIR = Path(__file__).resolve().parent / "conf"
+from fedfew.config import CONFIG_DIR
 #: one search-space file per algorithm, plus common.yaml (the local lr, for every method)
 SPACE_DIR = CONFIG_DIR / "tune"
 #: the presets that apply automatically (conf/tuned/<dataset>_<algorithm>.yaml)
@@ -104,7 +106,7 @@ class TuneError(RuntimeError):
 
 class TrialDiverged(Exception):
     """A trial's run went non-finite: a client's scored model, a local copy or a personal state
-    (:mod:`fedfew.nonfinite`), or it stopped early because every client did. The trial is a failed
+    (:mod:`fedfew.core.nonfinite`), or it stopped early because every client did. The trial is a failed
     trial: it counts in the budget and is never chosen. The message says which run and how."""
 
 
@@ -254,20 +256,10 @@ def compose(overrides: Sequence[str]):
     Raises:
         TuneError: Hydra cannot compose it (unknown group option, malformed override).
     """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.initialize import get_gh_backup, restore_gh_from_backup
-
-    backup = get_gh_backup()
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            return hydra_compose(config_name="config", overrides=list(overrides))
-    except Exception as err:  # Hydra's ConfigCompositionException, OverrideParseException, ...
+        return compose_config(overrides)
+    except ComposeError as err:
         raise TuneError(f"cannot compose the config with {list(overrides)}: {err}") from err
-    finally:
-        restore_gh_from_backup(backup)
 
 
 def check_extra_keys(algorithms: Sequence[str], extra: Sequence[str]) -> None:
@@ -276,9 +268,9 @@ def check_extra_keys(algorithms: Sequence[str], extra: Sequence[str]) -> None:
     here and is judged per method by :func:`runnable_algorithms`.
 
     Raises:
-        TuneError: the message of :func:`fedfew.overrides.check_overrides` for the first algorithm.
+        TuneError: the message of :func:`fedfew.config.overrides.check_overrides` for the first algorithm.
     """
-    from fedfew.overrides import check_overrides
+    from fedfew.config.overrides import check_overrides
 
     first: ValueError | None = None
     for alg in algorithms:
@@ -311,7 +303,7 @@ def runnable_algorithms(algorithms: Sequence[str], named: bool,
         TuneError: a named algorithm's config does not compose or validate, or no algorithm
             can run.
     """
-    from fedfew.config import ConfigError, validate_config
+    from fedfew.config.rules import ConfigError, validate_config
 
     kept: dict[str, Any] = {}
     skipped: list[str] = []
@@ -482,10 +474,10 @@ def preset_note(choice: str | None, cfg) -> str | None:
 
 def setup_presets_dir(dataset: str, extra: Sequence[str]) -> Path:
     """Where ``--install`` puts presets: ``conf/tuned`` for the dataset's default setup, and
-    ``conf/tuned/<dataset><setup>`` (named as :func:`fedfew.runs.setup_folder` names a tune's
+    ``conf/tuned/<dataset><setup>`` (named as :func:`fedfew.experiments.run_folders.setup_folder` names a tune's
     folder, e.g. ``conf/tuned/digits_partition-dirichlet``) when the extra overrides change the
     setup; ``make compare`` picks a preset from there when its setup equals the runs'."""
-    from fedfew.runs import setup_folder
+    from fedfew.experiments.run_folders import setup_folder
 
     changing = setup_changing(extra)
     return TUNED_DIR / setup_folder("tune", dataset, changing).name if changing else TUNED_DIR
@@ -548,7 +540,7 @@ def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[s
     """Train one trial (one run per tuning seed, in turn) into ``<out>/<algorithm>/<name>``.
 
     A seed's folder left by an interrupted tune is picked up when it holds this run's results
-    (reused) or checkpoint (continued, :mod:`fedfew.launch`); anything else there is removed and
+    (reused) or checkpoint (continued, :mod:`fedfew.experiments.launch`); anything else there is removed and
     the run starts afresh, as it does when ``fedfew.train`` refuses the checkpoint (e.g. a config
     key added since).
 
@@ -611,9 +603,9 @@ def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[s
 
 def nonfinite_reason(results: dict[str, Any]) -> str | None:
     """Why a run counts as diverged for tuning, or None: it stopped early (``verdict: diverged``),
-    some client's scored model is non-finite (:func:`fedfew.runs.diverged_clients`), or some client's
+    some client's scored model is non-finite (:func:`fedfew.experiments.run_folders.diverged_clients`), or some client's
     local copy, update or personal state went non-finite in some round (results.json
-    ``nonfinite``, :mod:`fedfew.nonfinite`), e.g. ``client 3: local copy of model 2 from round 42``."""
+    ``nonfinite``, :mod:`fedfew.core.nonfinite`), e.g. ``client 3: local copy of model 2 from round 42``."""
     record = results.get("nonfinite") or {}
     if record.get("stopped_at") is not None:
         return f"every client non-finite, stopped after round {record['stopped_at']}"
@@ -642,11 +634,11 @@ def open_study(plan: Plan):
     """The algorithm's study in ``<out>/<algorithm>/study.db`` (created, or resumed).
 
     A study is resumed when it was made with the same settings, up to extra overrides that do not
-    change results (:func:`fedfew.runs.result_overrides`: a thread count, a logger, ``data_dir``),
+    change results (:func:`fedfew.experiments.run_folders.result_overrides`: a thread count, a logger, ``data_dir``),
     and from the same data, by content: a new study records the ``data_fingerprint`` of the data in
     ``plan.cfg.data_dir`` (:mod:`fedfew.data.fingerprint`), which a resume compares; a study made
     before the fingerprint was recorded is compared through one of its finished runs
-    (:func:`fedfew.runs.data_mismatch`). So a tune copied with the repository resumes from a
+    (:func:`fedfew.experiments.run_folders.data_mismatch`). So a tune copied with the repository resumes from a
     clone anywhere, the data anywhere. Without ``plan.cfg`` the data is not checked.
 
     Raises:
@@ -656,7 +648,7 @@ def open_study(plan: Plan):
     import optuna
 
     from fedfew.data.fingerprint import data_check
-    from fedfew.runs import data_mismatch, recorded_data, result_overrides
+    from fedfew.experiments.run_folders import data_mismatch, recorded_data, result_overrides
 
     plan.dir.mkdir(parents=True, exist_ok=True)
     storage = f"sqlite:///{plan.dir / 'study.db'}"
@@ -1232,7 +1224,7 @@ def plans(args: argparse.Namespace) -> list[Plan]:
             validate.
     """
     from fedfew.algorithms import ALGORITHMS
-    from fedfew.runs import setup_folder
+    from fedfew.experiments.run_folders import setup_folder
 
     if args.trials < 1 or args.jobs < 1:
         raise TuneError(f"--trials ({args.trials}) and --jobs ({args.jobs}) must be >= 1")
@@ -1302,7 +1294,7 @@ def main(argv: Sequence[str] | None = None, command: Sequence[str] = TRAIN_COMMA
         return 0
     import optuna
 
-    from fedfew.runs import older_setup_note
+    from fedfew.experiments.run_folders import older_setup_note
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     all_plans = plans(args)

@@ -4,7 +4,7 @@
   over the clients that trained model k (c_i = n_i), combined across ranks by one all-reduce;
   the server then moves model k to the weighted mean of those clients' models, and a model
   that no client trained keeps its weights exactly. The deltas are state-vector deltas
-  (:func:`fedfew.module.flat_state`): BatchNorm running statistics are averaged with the same
+  (:func:`fedfew.core.model_set.flat_state`): BatchNorm running statistics are averaged with the same
   weights as the parameters, the counters too (rounded back to integers).
 - :func:`proximal_term`: (coeff / 2) * ||theta - theta_ref||^2, gradient coeff * (theta - theta_ref)
   (FedProx's mu_prox, Ditto's lambda).
@@ -23,10 +23,10 @@ from torch import nn
 
 from fedfew.algorithms.base import Algorithm
 from fedfew.data.base import ClientSplit
-from fedfew.distributed import all_reduce_
-from fedfew.local import train_local
-from fedfew.module import assign_state_, assign_tensors_, flatten_tensors, state_tensors
-from fedfew.seeding import derive_seed
+from fedfew.core.distributed import all_reduce_
+from fedfew.core.local_training import train_local
+from fedfew.core.model_set import assign_state_, assign_tensors_, flatten_tensors, state_tensors
+from fedfew.core.seeding import derive_seed
 
 
 class WeightedSum:
@@ -34,7 +34,7 @@ class WeightedSum:
 
     Args:
         K: number of slots (server models).
-        dim: length D of each delta (a state vector's, :func:`fedfew.module.flat_state`).
+        dim: length D of each delta (a state vector's, :func:`fedfew.core.model_set.flat_state`).
         device: where the sums live (the training device, so all-reduce works under NCCL).
     """
 
@@ -58,7 +58,7 @@ class WeightedSum:
         models) for every slot with a positive total; other slots are left untouched.
 
         Args:
-            targets: per slot, a module (its whole state vector, :func:`fedfew.module.assign_state_`)
+            targets: per slot, a module (its whole state vector, :func:`fedfew.core.model_set.assign_state_`)
                 or the list of tensors that were flattened into the deltas.
             base: per slot, the (D,) vector the deltas were taken against.
         Returns:
@@ -116,7 +116,7 @@ class Averaging(Algorithm):
 
     def averaged(self, model: nn.Module) -> list[torch.Tensor]:
         """The tensors of ``model`` that clients send and the server averages, in a fixed order:
-        the state vector of :meth:`shared` (:func:`fedfew.module.state_tensors`: parameters, then
+        the state vector of :meth:`shared` (:func:`fedfew.core.model_set.state_tensors`: parameters, then
         BatchNorm running statistics and counters)."""
         return state_tensors(self.shared(model))
 
@@ -154,7 +154,7 @@ class Averaging(Algorithm):
     def contribute(self, k: int, client: ClientSplit) -> bool:
         """Add the working copy (its :meth:`averaged` tensors) as the client's model for server
         model k, weighted by n_i. A non-finite model is reported to the run's non-finite log and left
-        out (:mod:`fedfew.nonfinite`; FloatingPointError with ``fail_on_nonfinite``), as FedFew does; returns whether it
+        out (:mod:`fedfew.core.nonfinite`; FloatingPointError with ``fail_on_nonfinite``), as FedFew does; returns whether it
         was added."""
         delta = flatten_tensors(self.averaged(self.ctx.module.working)) - self._server[k]
         what = "local model" if self.ctx.module.K == 1 else f"local copy of model {self.ctx.module.model_ids[k]}"
@@ -170,7 +170,7 @@ class Averaging(Algorithm):
         return {"loss": rows["loss"], "weight_per_model": totals}
 
     def load_personal(self, client: ClientSplit, name: str = "model", k: int = 0) -> bool:
-        """Load the client's saved state vector ``name`` (:func:`fedfew.module.flat_state`:
+        """Load the client's saved state vector ``name`` (:func:`fedfew.core.model_set.flat_state`:
         parameters and its own BatchNorm statistics) into the working copy, or server model k
         when it has none yet; returns whether a saved copy existed."""
         self.ctx.module.load_working(k)  # other buffers (if any) and the fallback state

@@ -4,11 +4,11 @@ models' distances), not only a weighted sum of them.
 
 Such a vector travels as a gathered row of length d (``row_shapes`` entry ``(d,)``, float64,
 on the training device): each rank writes its own clients' rows and one all-reduce gives the
-(P, d) matrix in participant order on every rank (:func:`fedfew.distributed.gather_rows`).
+(P, d) matrix in participant order on every rank (:func:`fedfew.core.distributed.gather_rows`).
 That costs P x d float64 per round on each device: fine for the small models of these
 baselines, heavy for a million-parameter model with hundreds of participants.
 
-A client whose vector is not finite is reported (:mod:`fedfew.nonfinite`; ``FloatingPointError``
+A client whose vector is not finite is reported (:mod:`fedfew.core.nonfinite`; ``FloatingPointError``
 with ``fail_on_nonfinite``) and sends a zero row with ``valid = 0``; the server leaves it out.
 
 The module name starts with ``_`` so the algorithm registry does not treat it as a method.

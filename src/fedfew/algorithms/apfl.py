@@ -24,7 +24,7 @@ never run on its own (only through v_bar_i), so the personal statistics are v_ba
 start as the broadcast w's the first time, are updated by v_bar_i's train-mode forwards, and are
 kept on the host with v_i (in the buffers of v_i's saved state vector); the scored mixture uses
 them. The global w's statistics are averaged with the parameters (FedAvg part). A final batch of
-one sample is merged into the previous one (:func:`fedfew.local.batch_bounds`).
+one sample is merged into the previous one (:func:`fedfew.core.local_training.batch_bounds`).
 
 Config (``conf/algorithm/apfl.yaml``): ``alpha`` (the fixed mixing weight, or its initial value
 when adaptive; the paper reports 0.25, 0.5, 0.75 and adaptive), ``adaptive`` (learn alpha_i by
@@ -43,9 +43,9 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row
 from fedfew.data.base import ClientSplit
-from fedfew.local import batch_bounds
-from fedfew.module import assign_state_, flat_state, has_batch_norm
-from fedfew.seeding import derive_seed
+from fedfew.core.local_training import batch_bounds
+from fedfew.core.model_set import assign_state_, flat_state, has_batch_norm
+from fedfew.core.seeding import derive_seed
 
 
 def mix_(target: nn.Module, personal: nn.Module, shared: nn.Module, alpha: float) -> None:
@@ -62,7 +62,7 @@ def alpha_step(alpha: float, alpha_lr: float, grad_alpha: float) -> float:
 
     A NaN gradient (the personal model diverged) leaves alpha as it was: Python's ``max(0.0, nan)``
     is 0.0, so clipping it would log alpha = 0 as if the client had chosen the global model. The
-    client's divergence is reported where it is scored (fedfew.runs.diverged_clients). An infinite
+    client's divergence is reported where it is scored (fedfew.experiments.run_folders.diverged_clients). An infinite
     gradient is a step past a bound and is clipped to it.
     """
     if math.isnan(grad_alpha):

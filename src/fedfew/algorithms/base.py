@@ -1,6 +1,6 @@
 """The interface every federated algorithm implements (FedFew and the baselines).
 
-A round, as driven by :mod:`fedfew.simulation`::
+A round, as driven by :mod:`fedfew.core.simulation`::
 
     alg.begin_round(round, participants)
     for client in this rank's participants:        # rows keyed by client id
@@ -25,7 +25,7 @@ The hooks a method fills in, and nothing else:
   vector entries that travel: parameters and, where they are aggregated, BatchNorm statistics).
 
 BatchNorm (docs/models.md): what is averaged, sent and kept per client is a model's *state
-vector* (:func:`fedfew.module.flat_state`: parameters, then BatchNorm running statistics and
+vector* (:func:`fedfew.core.model_set.flat_state`: parameters, then BatchNorm running statistics and
 counters), so the server's statistics are the clients' statistics combined with the same weights
 as the parameters, and personal models keep their own statistics.
 """
@@ -39,9 +39,9 @@ from omegaconf import DictConfig
 from torch import nn
 
 from fedfew.data.base import ClientSplit, FederatedData
-from fedfew.diagnostics import Hint
-from fedfew.module import KModelSet, state_numel
-from fedfew.nonfinite import NonFiniteLog
+from fedfew.reporting.collapse_watch import Hint
+from fedfew.core.model_set import KModelSet, state_numel
+from fedfew.core.nonfinite import NonFiniteLog
 
 if TYPE_CHECKING:  # Lightning's import takes ~3 s (torchmetrics, transformers): a Flower client never needs it
     from lightning.fabric import Fabric
@@ -62,7 +62,7 @@ class Context:
         host_state: per-client persistent state kept on the host (client id -> dict).
         my_clients: participants (client ids) -> those this process trains (the round loop's
             sharding); None outside the round loop (then one process trains every participant).
-        nonfinite: the run's one non-finite policy (:mod:`fedfew.nonfinite`): every non-finite
+        nonfinite: the run's one non-finite policy (:mod:`fedfew.core.nonfinite`): every non-finite
             loss, update or personal state is reported there (default: from ``fail_on_nonfinite``).
     """
 
@@ -102,8 +102,8 @@ class Algorithm:
     #: rows that :meth:`client_update` returns, name -> shape of one row given K
     row_shapes: dict[str, Callable[[int], tuple[int, ...]]] = {}
 
-    #: whether :class:`fedfew.diagnostics.CollapseWatch` warns when a server model stops
-    #: serving clients (few-for-many methods); the keys that help (:class:`fedfew.diagnostics.Hint`,
+    #: whether :class:`fedfew.reporting.collapse_watch.CollapseWatch` warns when a server model stops
+    #: serving clients (few-for-many methods); the keys that help (:class:`fedfew.reporting.collapse_watch.Hint`,
     #: each named only where the run has not already set it) and a text after them, in the warning
     watch_collapse: bool = False
     collapse_keys: tuple[Hint, ...] = ()
@@ -111,8 +111,8 @@ class Algorithm:
 
     #: whether local training goes through an engine (top-level ``engine``, ``compile``;
     #: :mod:`fedfew.engines`): FedFew and its reference config. Any other method trains with its own
-    #: loop, so ``engine=vmap`` is refused for it (:func:`fedfew.config.validate_config`, which reads
-    #: this literal from the source without importing the module: :func:`fedfew.registry.declared`)
+    #: loop, so ``engine=vmap`` is refused for it (:func:`fedfew.config.rules.validate_config`, which reads
+    #: this literal from the source without importing the module: :func:`fedfew.core.registry.declared`)
     uses_engine: bool = False
 
     def __init__(self, cfg: DictConfig, ctx: Context) -> None:
@@ -153,7 +153,7 @@ class Algorithm:
     @classmethod
     def communication(cls, cfg: DictConfig, model: nn.Module) -> tuple[int, int]:
         """Numbers (up, down) one participating client sends and receives per round: entries of
-        the state vectors that travel (:func:`fedfew.module.state_numel`: parameters, plus the
+        the state vectors that travel (:func:`fedfew.core.model_set.state_numel`: parameters, plus the
         BatchNorm running statistics and counters where they are aggregated).
 
         Default: all ``num_models(cfg)`` server models both ways (FedFew: K x D up and down, with

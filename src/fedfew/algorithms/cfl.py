@@ -29,7 +29,7 @@ slot; when all ``max_clusters`` slots are in use, no more splits happen (logged 
 only a cluster's participants are split; its other members stay with the first half (the half
 holding the lowest participant id).
 
-BatchNorm: a client's update is its state-vector update (:func:`fedfew.module.flat_state`); the
+BatchNorm: a client's update is its state-vector update (:func:`fedfew.core.model_set.flat_state`); the
 norms and cosine similarities are taken on the parameter part only (the paper's criterion is on
 weight updates; the eps thresholds keep their meaning), and the cluster step moves the running
 statistics with the same weights as the parameters.
@@ -57,7 +57,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row
 from fedfew.algorithms._updates import check_number, finite_or_excluded, vector_row, vector_rows
 from fedfew.data.base import ClientSplit
-from fedfew.module import assign_state_, flat_state, state_numel
+from fedfew.core.model_set import assign_state_, flat_state, state_numel
 
 
 def cosine_similarity(updates: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row, proximal_term
 from fedfew.data.base import ClientSplit
-from fedfew.module import flat_state
+from fedfew.core.model_set import flat_state
 
 
 @ALGORITHMS.register("ditto")

@@ -38,7 +38,7 @@ cloud model a client uses the initial global model (all personal models start eq
 u_i^1 = w^0). Clients are scored with their personal model (the initial model if they never
 took part).
 
-BatchNorm: a personal model is a state vector (:func:`fedfew.module.flat_state`) and keeps its own
+BatchNorm: a personal model is a state vector (:func:`fedfew.core.model_set.flat_state`) and keeps its own
 running statistics, which never leave the client: the server's distances and cloud models are
 on the parameters only (the rows and u_i are parameter vectors), and the proximal term acts on
 the parameters.
@@ -67,7 +67,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row, proximal_term
 from fedfew.algorithms._updates import check_number, finite_or_excluded, vector_row, vector_rows
 from fedfew.data.base import ClientSplit
-from fedfew.module import flat_parameters, flat_state, unflatten_like
+from fedfew.core.model_set import flat_parameters, flat_state, unflatten_like
 
 
 def squared_distances(models: torch.Tensor) -> torch.Tensor:

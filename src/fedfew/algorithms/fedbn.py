@@ -18,7 +18,7 @@ num_batches_tracked) and, with ``local_affine: true`` (the paper's: "local BN la
 weight and bias), its affine weight and bias; ``local_affine: false`` averages the affine
 parameters with the rest and keeps only the statistics local. The part lives on the host per
 client (:meth:`~fedfew.algorithms.base.Algorithm.save_client`, key ``bn``: one flat vector in
-:func:`fedfew.module.state_tensors` order), across rounds and in checkpoints. The server
+:func:`fedfew.core.model_set.state_tensors` order), across rounds and in checkpoints. The server
 model's own BatchNorm layers are never trained: they seed the local layers of a client the
 first time it takes part, and score a client that never took part (with partial
 participation; such a client is scored with the initial statistics, mean 0 and variance 1).
@@ -37,13 +37,13 @@ from fedfew.algorithms._averaging import loss_row
 from fedfew.algorithms.base import Context
 from fedfew.algorithms.fedavg import FedAvg
 from fedfew.data.base import ClientSplit
-from fedfew.module import assign_tensors_, flatten_tensors, has_batch_norm, state_tensors
+from fedfew.core.model_set import assign_tensors_, flatten_tensors, has_batch_norm, state_tensors
 
 
 def local_tensors(model: nn.Module, local_affine: bool = True) -> list[torch.Tensor]:
     """The BatchNorm part of ``model`` a FedBN client keeps: each BatchNorm layer's running
     statistics and counter, and (``local_affine``) its weight and bias, in
-    :func:`fedfew.module.state_tensors` order."""
+    :func:`fedfew.core.model_set.state_tensors` order."""
     local = set()
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):

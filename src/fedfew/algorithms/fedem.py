@@ -83,9 +83,9 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row
 from fedfew.algorithms.fedsoft import per_sample_losses
 from fedfew.data.base import ClientSplit, FederatedData
-from fedfew.local import batch_bounds
-from fedfew.module import KModelSet, has_batch_norm
-from fedfew.seeding import derive_seed
+from fedfew.core.local_training import batch_bounds
+from fedfew.core.model_set import KModelSet, has_batch_norm
+from fedfew.core.seeding import derive_seed
 
 
 def responsibilities(log_pi: torch.Tensor, losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -145,9 +145,9 @@ def train_weighted(
 ) -> float:
     """Train ``module.working`` in place on the q-weighted cross-entropy of the samples ``index``.
 
-    :func:`fedfew.local.train_local` step for step (a fresh ``module.configure_optimizers()``,
+    :func:`fedfew.core.local_training.train_local` step for step (a fresh ``module.configure_optimizers()``,
     ``torch.manual_seed(seed)``, :meth:`FederatedData.epoch_order` each epoch, the batches of
-    :func:`fedfew.local.batch_bounds`), with the minibatch loss (1/|B|) sum_{s in B} q_s l_s in
+    :func:`fedfew.core.local_training.batch_bounds`), with the minibatch loss (1/|B|) sum_{s in B} q_s l_s in
     place of the mean cross-entropy; with every q_s = 1 it takes the same steps.
 
     Args:

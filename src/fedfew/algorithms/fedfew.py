@@ -7,8 +7,8 @@ d_ik = theta_ik(local) - theta_k; the server sets
 
     theta_k += eta_s * sum_i alpha_i * w_ik * d_ik
 
-with alpha, w the STCH-Set weights of the loss matrix (:func:`fedfew.scalarization.stch_set`).
-The sum is streamed in log space (:class:`fedfew.aggregation.LogWeightedSum`), so no rank keeps
+with alpha, w the STCH-Set weights of the loss matrix (:func:`fedfew.stch.scalarization.stch_set`).
+The sum is streamed in log space (:class:`fedfew.core.aggregation.LogWeightedSum`), so no rank keeps
 more than K deltas at a time.
 
 Config (``conf/algorithm/fedfew.yaml``): ``K`` (3; the number of known groups on
@@ -21,10 +21,10 @@ local epoch, the reference's | pre: eval-mode loss of the broadcast model on the
 paper's text), ``server_lr`` (eta_s = 1, as the reference), ``normalize`` (true, our default:
 divide model k's step by sum_i alpha_i w_ik, so each model moves by the weighted *mean* of its
 deltas | false: the reference's rule). ``K=auto`` (with ``K_max``, ``K_min``, ``auto_patience``)
-starts with K_max models and retires redundant ones (:mod:`fedfew.auto_k`); ``mu_schedule``
+starts with K_max models and retires redundant ones (:mod:`fedfew.stch.auto_k`); ``mu_schedule``
 (constant | cosine, exponential: from ``mu`` to ``mu_end`` | spread: alpha spreads over
 ``mu_clients`` of the clients | loss: ``mu_ratio`` x the mean best loss) sets mu per round
-(:mod:`fedfew.mu_schedule`).
+(:mod:`fedfew.stch.mu_schedule`).
 
 Why ``normalize=true`` is the default: with the reference's rule sum_k sum_i alpha_i w_ik = 1, so
 the K models share ONE client-sized step. The model that leads early takes most of it, the
@@ -56,19 +56,19 @@ from typing import Any
 
 import torch
 
-from fedfew.aggregation import LogWeightedSum
+from fedfew.core.aggregation import LogWeightedSum
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms.base import Algorithm, Context
-from fedfew.auto_k import AutoK
+from fedfew.stch.auto_k import AutoK
 from fedfew.data.base import ClientSplit
-from fedfew.diagnostics import Hint
+from fedfew.reporting.collapse_watch import Hint
 from fedfew.engines import ENGINES
 from fedfew.engines.base import ClientJob
-from fedfew.local import evaluate_model
-from fedfew.module import assign_state_, flat_parameters, flat_state, state_numel
-from fedfew.mu_schedule import round_mu
-from fedfew.scalarization import MU_SCALES, SAMPLE_WEIGHTINGS, client_log_weights, stch_set
-from fedfew.seeding import derive_seed
+from fedfew.core.local_training import evaluate_model
+from fedfew.core.model_set import assign_state_, flat_parameters, flat_state, state_numel
+from fedfew.stch.mu_schedule import round_mu
+from fedfew.stch.scalarization import MU_SCALES, SAMPLE_WEIGHTINGS, client_log_weights, stch_set
+from fedfew.core.seeding import derive_seed
 
 LOSS_SOURCES = ("running", "pre")
 
@@ -104,7 +104,7 @@ class FedFew(Algorithm):
             raise ValueError(f"algorithm.mu_scale={cfg.mu_scale!r}; allowed: {', '.join(MU_SCALES)}")
         self.mu = float(cfg.mu)  # this round's mu (algorithm.mu_schedule, set in begin_round)
         self._best: torch.Tensor | None = None  # (P,) best scaled losses of the last round (mu_schedule spread, loss)
-        # K=auto (fedfew.auto_k): retire models no client needs; its own rule replaces the collapse warning
+        # K=auto (fedfew.stch.auto_k): retire models no client needs; its own rule replaces the collapse warning
         self.auto = AutoK(int(cfg.get("K_min", 1)), int(cfg.get("auto_patience", 3))) if self.is_auto(cfg) else None
         self.watch_collapse = self.auto is None
         self.engine = ENGINES.get(ctx.cfg.get("engine", "loop") or "loop").from_context(ctx)
@@ -200,7 +200,7 @@ class FedFew(Algorithm):
         ids = list(self.ctx.module.model_ids)  # original ids of this round's models (columns of w, loss)
         logs: dict[str, Any] = {"loss": losses, "excluded": [participants[j] for j in torch.nonzero(~valid).flatten().tolist()],
                                 "model_ids": ids, "K": K, "mu": self.mu}
-        if not bool(valid.any()):  # nothing finite arrived (the round loop counts such rounds: fedfew.nonfinite)
+        if not bool(valid.any()):  # nothing finite arrived (the round loop counts such rounds: fedfew.core.nonfinite)
             self._accumulator = None
             return {**logs, "g": float("nan"), "alpha": alpha, "w": w, "assignment": torch.zeros(len(participants), dtype=torch.long),
                     "effective_step": torch.zeros(K, dtype=torch.float64)}

@@ -22,7 +22,7 @@ Every client is scored with the global model.
 BatchNorm: the min-norm problem and the step above are on the parameters; running statistics
 are not gradients, so the server sets them to the lambda*-weighted mean of the participants'
 statistics (the same client weights, without the normalisation and eta; the counters too,
-rounded). Each row is the client's state-vector update (:func:`fedfew.module.flat_state`).
+rounded). Each row is the client's state-vector update (:func:`fedfew.core.model_set.flat_state`).
 
 Rows: every participant's update (length d) is gathered, so the server can form the P x P Gram
 matrix (see :mod:`fedfew.algorithms._updates` for the cost). Logged: ``alpha`` (the weights
@@ -48,7 +48,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row
 from fedfew.algorithms._updates import check_number, finite_or_excluded, vector_row, vector_rows
 from fedfew.data.base import ClientSplit
-from fedfew.module import assign_state_, flat_state, state_numel
+from fedfew.core.model_set import assign_state_, flat_state, state_numel
 
 PRIORS = ("uniform", "samples")
 

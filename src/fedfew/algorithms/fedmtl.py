@@ -31,7 +31,7 @@ lam = 0 is local training; a large lam pulls every personal model to the common 
 are scored with their personal model (a client that never took part with w_bar). Personal
 models live on the host (``personal``).
 
-BatchNorm: w_i and w_bar are state vectors (:func:`fedfew.module.flat_state`): a personal model
+BatchNorm: w_i and w_bar are state vectors (:func:`fedfew.core.model_set.flat_state`): a personal model
 keeps its own running statistics, w_bar's are the mean of every client's latest statistics (the
 same 1/M weights), and the regulariser acts on the parameters only.
 
@@ -49,7 +49,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, WeightedSum, loss_row, proximal_term
 from fedfew.algorithms._updates import check_number, finite_or_excluded
 from fedfew.data.base import ClientSplit
-from fedfew.module import assign_state_, flat_state, unflatten_like
+from fedfew.core.model_set import assign_state_, flat_state, unflatten_like
 
 
 def centering_omega(M: int) -> torch.Tensor:

@@ -29,9 +29,9 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row
 from fedfew.data.base import ClientSplit
-from fedfew.local import batch_bounds
-from fedfew.module import assign_state_, flat_state, has_batch_norm, state_numel
-from fedfew.seeding import derive_seed
+from fedfew.core.local_training import batch_bounds
+from fedfew.core.model_set import assign_state_, flat_state, has_batch_norm, state_numel
+from fedfew.core.seeding import derive_seed
 
 
 @contextmanager
@@ -83,7 +83,7 @@ class FedRep(Averaging):
         """The head phase with the body's features computed once: the same SGD steps, sample
         order (seed) and result as ``train_local`` with the body frozen, without running the
         body head_epochs times. Only for a :func:`deterministic` body (so no BatchNorm there;
-        the batches follow :func:`fedfew.local.batch_bounds` like every local loop)."""
+        the batches follow :func:`fedfew.core.local_training.batch_bounds` like every local loop)."""
         ctx, module = self.ctx, self.ctx.module
         working, index = module.working, ctx.train_index[client.id]
         batch_size = int(ctx.cfg.dataset.batch_size)

@@ -33,7 +33,7 @@ client with its personal model w_i (``score: personal``, the personalised number
 never took part gets the centre 0); ``score: centres`` instead lets each client pick the centre
 with the lowest loss on its selection split (the protocol FedFew and IFCA are scored with).
 
-BatchNorm: models are state vectors (:func:`fedfew.module.flat_state`): a personal model keeps
+BatchNorm: models are state vectors (:func:`fedfew.core.model_set.flat_state`): a personal model keeps
 its own running statistics, the centres' statistics are averaged with the weights u_ik n_i, a new
 personal model starts from the u-weighted mix of the centres' statistics, and the proximal
 term acts on the parameters only.
@@ -58,8 +58,8 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row, proximal_term
 from fedfew.algorithms._updates import check_number, finite_or_excluded
 from fedfew.data.base import ClientSplit, FederatedData
-from fedfew.diagnostics import Hint
-from fedfew.module import assign_state_, flat_state, state_numel, unflatten_like
+from fedfew.reporting.collapse_watch import Hint
+from fedfew.core.model_set import assign_state_, flat_state, state_numel, unflatten_like
 
 SCORES = ("personal", "centres")
 

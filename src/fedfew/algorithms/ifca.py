@@ -26,9 +26,9 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging
 from fedfew.data.base import ClientSplit
-from fedfew.diagnostics import Hint
-from fedfew.local import evaluate_model
-from fedfew.module import state_numel
+from fedfew.reporting.collapse_watch import Hint
+from fedfew.core.local_training import evaluate_model
+from fedfew.core.model_set import state_numel
 
 
 def assign(losses: torch.Tensor) -> torch.Tensor:

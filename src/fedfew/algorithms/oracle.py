@@ -20,7 +20,7 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row
 from fedfew.data.base import ClientSplit
-from fedfew.module import state_numel
+from fedfew.core.model_set import state_numel
 
 
 @ALGORITHMS.register("oracle")

@@ -37,7 +37,7 @@ from fedfew.data.fingerprint import data_fingerprint
 from fedfew.data.groups import check_groups, make_groups
 from fedfew.data.images import ImageDataset, normalize
 from fedfew.data.partition import partition_clients, partition_hash
-from fedfew.seeding import derive_seed
+from fedfew.core.seeding import derive_seed
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ One module per engine; the module name is the config value (``engine=loop`` ->
 ``loop.py``). Each registers an :class:`~fedfew.engines.base.Engine` subclass with
 :data:`ENGINES`:
 
-- ``loop`` (default): the K models one after another through :func:`fedfew.local.train_local`,
+- ``loop`` (default): the K models one after another through :func:`fedfew.core.local_training.train_local`,
   one working copy; bit-for-bit the simulator's reference behaviour.
 - ``vmap``: the K copies of one client -- and, on a GPU, of several clients -- stacked and
   trained together with :mod:`torch.func` (one vectorised forward/backward per step, one SGD
@@ -21,6 +21,6 @@ Which to use: on a GPU ``vmap`` (many small models per launch); on a CPU ``loop`
 is compute-bound already, and vmap's grouped convolutions are no faster there (slower for
 the 512-channel TextCNN, and much slower when other jobs share the cores).
 """
-from fedfew.registry import Registry
+from fedfew.core.registry import Registry
 
 ENGINES = Registry("engine", __name__)

@@ -3,7 +3,7 @@
 An engine receives :class:`ClientJob` s (client id, its train indices on the device, one seed
 per model) and yields one :class:`ClientResult` per client: the running losses (K,) and the
 deltas (K, D) = theta_ik(local) - theta_k of the state vectors (parameters, then BatchNorm
-statistics: :func:`fedfew.module.flat_state`). The caller (FedFew's ``client_update``) folds each
+statistics: :func:`fedfew.core.model_set.flat_state`). The caller (FedFew's ``client_update``) folds each
 result into its streaming aggregate before asking for the next one, so an engine may (and
 does) hand out views of one reused buffer: a result is valid until the generator resumes.
 
@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from fedfew.module import KModelSet, has_batch_norm  # noqa: F401 (re-exported)
+from fedfew.core.model_set import KModelSet, has_batch_norm  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class ClientResult:
     Attributes:
         client: client id.
         losses: (K,) float64 on the host: running loss (mean minibatch loss of the last epoch).
-        deltas: (K, D) float32 on the device, state-vector deltas (:func:`fedfew.module.flat_state`
+        deltas: (K, D) float32 on the device, state-vector deltas (:func:`fedfew.core.model_set.flat_state`
             order); a view of the engine's buffer, valid until the engine's generator is resumed.
     """
 

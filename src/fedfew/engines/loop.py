@@ -1,10 +1,10 @@
 """``engine=loop``: the K models of a client trained one after another (the default).
 
 For each model k: copy server model k into the one working copy (in place), run
-:func:`fedfew.local.train_local` with seed ``derive_seed(seed, "local", round, client, k)``
+:func:`fedfew.core.local_training.train_local` with seed ``derive_seed(seed, "local", round, client, k)``
 (shuffling and dropout), and write theta_ik - theta_k into a reused (K, D) buffer (slice by
 slice against server model k: no flat copy of the server models is kept). theta is the state
-vector (:func:`fedfew.module.state_tensors`): parameters, then BatchNorm running statistics and
+vector (:func:`fedfew.core.model_set.state_tensors`): parameters, then BatchNorm running statistics and
 counters, so the statistics the working copy gathered travel with the parameters.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 
 from fedfew.engines import ENGINES
 from fedfew.engines.base import ClientJob, ClientResult, Engine
-from fedfew.local import train_local
-from fedfew.module import state_numel, state_tensors
+from fedfew.core.local_training import train_local
+from fedfew.core.model_set import state_numel, state_tensors
 
 
 def write_flat_(out: torch.Tensor, parameters) -> torch.Tensor:

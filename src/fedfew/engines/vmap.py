@@ -17,10 +17,10 @@ last batch is smaller than the step's width is padded with zero-weight samples.
 
 BatchNorm: running statistics are functional buffers (R, ...) updated in place by the
 vectorised forward, exactly as the loop engine updates its working copy, and their deltas are
-part of each copy's state-vector delta (:func:`fedfew.module.state_tensors`); since zero-weight
+part of each copy's state-vector delta (:func:`fedfew.core.model_set.state_tensors`); since zero-weight
 padding would enter the batch statistics, clients of different sizes never share a chunk for
 a model with BatchNorm, and a final batch of one sample is merged into the previous batch as in
-``engine=loop`` (:func:`fedfew.local.batch_bounds`).
+``engine=loop`` (:func:`fedfew.core.local_training.batch_bounds`).
 
 Random numbers (documented difference to ``engine=loop``): model k of a client is shuffled by
 its own generator seeded with ``derive_seed(seed, "local", round, client, k)`` -- the same
@@ -43,9 +43,9 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from fedfew.engines import ENGINES
 from fedfew.engines.base import ClientJob, ClientResult, Engine, has_batch_norm
-from fedfew.local import batch_bounds
-from fedfew.module import is_state_buffer, state_numel
-from fedfew.seeding import derive_seed
+from fedfew.core.local_training import batch_bounds
+from fedfew.core.model_set import is_state_buffer, state_numel
+from fedfew.core.seeding import derive_seed
 
 
 def activation_bytes_per_sample(model: nn.Module, x: torch.Tensor) -> int:
@@ -119,7 +119,7 @@ class VmapEngine(Engine):
     def _sgd_(self, rows: int, grads: list[torch.Tensor], first: bool) -> None:
         """``torch.optim.SGD``'s update (dampening 0, no Nesterov) on the first ``rows`` copies,
         each copy's gradient first clipped to ``optim.clip_norm`` as ``loop`` clips it
-        (:func:`fedfew.module.clip_before_step`: scaled by clip / (norm + 1e-6) when its norm
+        (:func:`fedfew.core.model_set.clip_before_step`: scaled by clip / (norm + 1e-6) when its norm
         exceeds the bound)."""
         params = [p[:rows] for p in self._params]
         if self.module.clip_norm is not None:

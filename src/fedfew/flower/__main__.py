@@ -17,7 +17,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from fedfew.runs import register_resolvers
+from fedfew.experiments.run_folders import register_resolvers
 
 register_resolvers()
 _OPTIONS = {"round_timeout": 0.0, "workers": 0}
@@ -92,7 +92,7 @@ def main(cfg: DictConfig) -> None:
 def cli() -> None:
     """Strip ``--round-timeout S`` / ``--workers N``, check the overrides as ``make train`` does,
     and run :func:`main`."""
-    from fedfew.overrides import main_check
+    from fedfew.config.overrides import main_check
 
     argv = sys.argv[1:]
     for flag, key, kind in (("--round-timeout", "round_timeout", float), ("--workers", "workers", int)):

@@ -2,7 +2,7 @@
 
 A SuperNode serves one client: ``partition-id`` (and ``num-partitions``) in its node config
 name it. On each message it builds (or, in Flower's simulation engine, reuses) a
-:class:`ClientRuntime`: a :class:`fedfew.simulation.Simulation` over a FederatedData in which
+:class:`ClientRuntime`: a :class:`fedfew.core.simulation.Simulation` over a FederatedData in which
 only its own client holds samples (:mod:`fedfew.flower.partitions`), so the algorithm object,
 the K-model set, the local training and the evaluation are the simulator's, unchanged.
 
@@ -14,13 +14,13 @@ Messages (``flwr.app.Message``; payloads: :mod:`fedfew.flower.records`):
   the round, the participants and their train sizes) -> the algorithm's ``begin_round`` and
   ``client_update`` for this client -> the rows it returns (``row_shapes``: FedFew's K losses)
   and every call it made to the round's accumulators (FedFew's
-  :class:`~fedfew.aggregation.LogWeightedSum`, the averaging methods'
+  :class:`~fedfew.core.aggregation.LogWeightedSum`, the averaging methods'
   :class:`~fedfew.algorithms._averaging.WeightedSum`): ``(k, weight, delta)``, i.e. FedFew's K
   log weights and K deltas, an averaging client's n_i and delta. The server replays those calls
   in client order into its own accumulators (:mod:`fedfew.flower.server`), which is what the
   simulator's one process does, so the sums are the same bit for bit.
 - ``evaluate``: the broadcast -> the client picks its model among its candidates and is scored,
-  as :func:`fedfew.evaluation.evaluate_clients` does for it -> its row of the evaluation table.
+  as :func:`fedfew.core.evaluation.evaluate_clients` does for it -> its row of the evaluation table.
 
 Per-client state (personal models, heads, BatchNorm statistics under FedBN, APFL's alpha_i)
 lives in Flower's ``Context.state`` (an ArrayRecord ``fedfew.host``) between messages: on the
@@ -56,7 +56,7 @@ def accumulator_types() -> tuple[type, ...]:
     """The accumulators the algorithms sum client contributions into (imported lazily)."""
     global _ACCUMULATORS
     if _ACCUMULATORS is None:
-        from fedfew.aggregation import LogWeightedSum
+        from fedfew.core.aggregation import LogWeightedSum
         from fedfew.algorithms._averaging import WeightedSum
 
         _ACCUMULATORS = (LogWeightedSum, WeightedSum)
@@ -131,7 +131,7 @@ def partition_for(cfg: DictConfig, pid: int, total: int | None, data_dir: str | 
 
 @dataclass(frozen=True)
 class OneCPUProcess:
-    """What a client's :class:`~fedfew.simulation.Simulation` reads of a Fabric when it runs
+    """What a client's :class:`~fedfew.core.simulation.Simulation` reads of a Fabric when it runs
     on the CPU in full precision: one process (rank 0 of 1) on the CPU. The client never calls
     the round loop, so no callbacks, loggers or collectives are needed."""
 
@@ -156,7 +156,7 @@ def client_fabric(cfg: DictConfig) -> Any:
 
 
 class ClientRuntime:
-    """A :class:`fedfew.simulation.Simulation` holding one client's partition (its algorithm,
+    """A :class:`fedfew.core.simulation.Simulation` holding one client's partition (its algorithm,
     K-model set, context), driven by the server's messages.
 
     Args:
@@ -165,7 +165,7 @@ class ClientRuntime:
     """
 
     def __init__(self, cfg: DictConfig, partition: Partition) -> None:
-        from fedfew.simulation import Simulation
+        from fedfew.core.simulation import Simulation
 
         if cfg.trainer.get("threads"):
             torch.set_num_threads(int(cfg.trainer.threads))
@@ -180,8 +180,8 @@ class ClientRuntime:
 
     def receive(self, content: RecordDict, state: RecordDict) -> int:
         """Load the broadcast and this client's host state; returns the round."""
-        from fedfew.module import assign_state_, round_lr
-        from fedfew.nonfinite import NonFiniteLog
+        from fedfew.core.model_set import assign_state_, round_lr
+        from fedfew.core.nonfinite import NonFiniteLog
 
         config = content["config"]
         rnd = int(config["round"])
@@ -208,7 +208,7 @@ class ClientRuntime:
 
     def train(self, content: RecordDict, state: RecordDict) -> RecordDict:
         """One round of local work (see the module docstring); returns the reply's records."""
-        from fedfew.budget import StepCounter
+        from fedfew.core.budget import StepCounter
 
         start = time.perf_counter()
         rnd = self.receive(content, state)
@@ -237,8 +237,8 @@ class ClientRuntime:
 
     def evaluate(self, content: RecordDict, state: RecordDict) -> RecordDict:
         """Selection and scores of this client under every protocol of the run (its row of
-        :func:`fedfew.evaluation.evaluate_clients`' table, as that function's per-client dict)."""
-        from fedfew.evaluation import EvalSettings, evaluate_clients
+        :func:`fedfew.core.evaluation.evaluate_clients`' table, as that function's per-client dict)."""
+        from fedfew.core.evaluation import EvalSettings, evaluate_clients
 
         rnd = self.receive(content, state)
         self.sim.ctx.my_clients = None

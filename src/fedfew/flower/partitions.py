@@ -135,7 +135,7 @@ def cut(data: FederatedData, client_id: int, cfg: DictConfig) -> Partition:
 
 def save(partition: Partition, directory: Path) -> Path:
     """Write ``partition`` to ``directory/partition.pt`` (atomically); returns the file."""
-    from fedfew.io import atomic_torch_save
+    from fedfew.core.io import atomic_torch_save
 
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / PARTITION_FILE
@@ -188,7 +188,7 @@ def load(directory: str | Path, partition_id: int, num_partitions: int | None, c
 def main(argv: list[str] | None = None) -> None:
     """``python -m fedfew.flower.partitions --out DIR [hydra overrides]``: write every client's
     data directory (:func:`export`) for the run ``python -m fedfew.train <overrides>`` would make."""
-    from fedfew.check import compose
+    from fedfew.config.compose import compose
 
     parser = argparse.ArgumentParser(prog="python -m fedfew.flower.partitions", description=main.__doc__)
     parser.add_argument("--out", required=True, type=Path, help="folder for client_<i>/ (one per client)")

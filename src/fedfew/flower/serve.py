@@ -20,7 +20,7 @@ from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig
 
 from fedfew.flower.server import Federation, FlowerSimulation, GridTransport, Transport, check_supported
-from fedfew.io import atomic_write_json
+from fedfew.core.io import atomic_write_json
 
 #: defaults of the ServerApp's run config (``flwr run ... --run-config 'key=value ...'``)
 RUN_CONFIG = {"overrides": "", "run-dir": "", "round-timeout": 0.0, "connect-timeout": 300.0}
@@ -44,7 +44,7 @@ def serve(transport: Transport, cfg: DictConfig, run_dir: Path, *, round_timeout
         ValueError: a setting the Flower app does not run (:func:`~fedfew.flower.server.check_supported`).
         FederationError: clients without a node after ``connect_timeout``.
     """
-    from fedfew.config import validate_config
+    from fedfew.config.rules import validate_config
     from fedfew.train import make_fabric
 
     validate_config(cfg)
@@ -86,7 +86,7 @@ def main(grid: Grid, context: Context) -> None:
     ``connect-timeout`` (seconds; round-timeout 0: wait for every reply)."""
     import os
 
-    from fedfew.check import compose
+    from fedfew.config.compose import compose
 
     run_config = {**RUN_CONFIG, **dict(context.run_config)}
     cfg = compose(shlex.split(str(run_config["overrides"])))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedfew.registry import Registry
+from fedfew.core.registry import Registry
 
 MODELS = Registry("model", __name__)
 

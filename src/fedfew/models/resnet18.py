@@ -25,7 +25,7 @@ def build(cfg, info: DataInfo) -> BodyHead:
     channels, initialised like torchvision's. Any (C, H, W) input works (adaptive pooling); at
     32x32 the last stage is 1x1, so a train-mode batch of one sample would fail in BatchNorm:
     local training merges a final one-sample batch into the previous one
-    (:func:`fedfew.local.batch_bounds`). 20 BatchNorm layers (9,600 running statistics)
+    (:func:`fedfew.core.local_training.batch_bounds`). 20 BatchNorm layers (9,600 running statistics)
     travel with the 11.2 M parameters under the BatchNorm policy of docs/models.md.
 
     Args:

@@ -55,7 +55,7 @@ RESOLVER = "fedfew.run_suffix"
 #: ``<host> <pid>`` of the process training a run, in its folder while it trains
 PID_FILE = ".fedfew.pid"
 #: the checkout this package runs from (editable install: src/fedfew -> the repository root)
-CHECKOUT = Path(__file__).resolve().parents[2]
+CHECKOUT = Path(__file__).resolve().parents[3]
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
 
 
@@ -151,7 +151,7 @@ def recorded_data(run_dir: str | Path) -> dict[str, Any] | None:
     ``data_fingerprint``); None when it has neither, or they cannot be read."""
     import pickle
 
-    from fedfew.checkpoint import checkpoint_path, load_checkpoint
+    from fedfew.core.checkpoint import checkpoint_path, load_checkpoint
 
     run_dir = Path(run_dir)
     try:
@@ -171,7 +171,7 @@ def data_mismatch(run_dir: str | Path, data_dir: str | Path) -> str | None:
     recorded before the fingerprint: its ``partition_hash`` against the partition its config gets
     on that data). The data is loaded once per process and dataset config
     (:func:`fedfew.data.fingerprint.data_check`). Check the overrides first
-    (:func:`fedfew.launch.progress`: a folder of other overrides is stale whatever its data).
+    (:func:`fedfew.experiments.launch.progress`: a folder of other overrides is stale whatever its data).
 
     Returns:
         e.g. ``"data fingerprint 0123456789ab recorded, 5a6b7c8d9e0f in /data"``, or
@@ -277,7 +277,7 @@ def python_command(module: str) -> str:
     quoted for a shell. Console output only: committed text (a preset's header, compare.md)
     records ``python -m ...`` (:func:`portable_command`), never a path of this machine.
 
-    >>> python_command("fedfew.plots").endswith(" -m fedfew.plots")
+    >>> python_command("fedfew.reporting.plots").endswith(" -m fedfew.reporting.plots")
     True
     """
     import shlex
@@ -314,7 +314,7 @@ def where_lines(run_dir: str | Path, finished: bool = True) -> list[str]:
         here = Path.cwd().resolve() == CHECKOUT and (CHECKOUT / "Makefile").is_file()
         command = f"make notebook RUN={shown}" if here else f"{python_command('fedfew.notebook')} {shown}"
         lines.append(f"  notebook: {command}   (writes analysis.html there)")
-    lines.append(f"  plots:    {shown}/plots   (redraw: {python_command('fedfew.plots')} {shown})")
+    lines.append(f"  plots:    {shown}/plots   (redraw: {python_command('fedfew.reporting.plots')} {shown})")
     return lines
 
 
@@ -432,10 +432,10 @@ def _metrics_progress(path: Path) -> tuple[int, dict[str, Any]]:
 def diverged_clients(results: dict[str, Any]) -> list[int]:
     """Ids of the clients whose scored model diverged: its loss on the client's selection split
     is non-finite (``clients[i].selection_loss`` of a results.json is NaN or inf, which
-    :func:`fedfew.evaluation.evaluate_clients` gives only when every candidate model of the client
+    :func:`fedfew.core.evaluation.evaluate_clients` gives only when every candidate model of the client
     is non-finite there). Such a model predicts one class for every sample, yet a run where only
     some clients diverged can still score above the majority label, so the figure says nothing of
-    it; :func:`fedfew.callbacks.summary_lines` and the comparison report it.
+    it; :func:`fedfew.reporting.callbacks.summary_lines` and the comparison report it.
 
     Args:
         results: a run's results.json (a client without ``selection_loss`` counts as finite).

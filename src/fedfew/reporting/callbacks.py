@@ -4,7 +4,7 @@ final table.
 Fabric calls ``on_fit_start(sim)``, ``on_round_end(sim, round, logs, evaluation)`` and
 ``on_fit_end(sim, results)`` on each callback; only rank 0 writes or prints.
 
-Files in the run directory (all written atomically, see :mod:`fedfew.io`):
+Files in the run directory (all written atomically, see :mod:`fedfew.core.io`):
 
     config.yaml    the resolved run config (at the start)
     metrics.csv    one row of scalars per round (:func:`round_scalars`), after every round
@@ -12,7 +12,7 @@ Files in the run directory (all written atomically, see :mod:`fedfew.io`):
                    algorithm returns) and every evaluation's per-client accuracy
                    (:func:`build_history`), at each evaluation and at the end
     results.json   final per-client results and summary, at the end
-    plots/*.png    pictures (:mod:`fedfew.plots`), at evaluations (at most every
+    plots/*.png    pictures (:mod:`fedfew.reporting.plots`), at evaluations (at most every
                    :data:`PLOT_INTERVAL_S` seconds) and at the end, when ``logger.plots``
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from fedfew.io import atomic_write_json, atomic_write_text, to_jsonable
-from fedfew.nonfinite import describe as describe_nonfinite
+from fedfew.core.io import atomic_write_json, atomic_write_text, to_jsonable
+from fedfew.core.nonfinite import describe as describe_nonfinite
 
 SUMMARY_KEYS = ("acc_mean", "acc_std", "acc_min", "acc_max", "acc_weighted", "majority_acc_mean")
 #: keys of an algorithm's round logs that are not extra scalars of its own
@@ -106,7 +106,7 @@ def eval_scalars(evaluation: dict[str, Any] | None) -> dict[str, float]:
 
 def metrics_row(logs: dict[str, Any], evaluation: dict[str, Any] | None) -> dict[str, Any]:
     """One metrics.csv row: :func:`round_scalars` plus, in a round where K=auto retired a
-    model, its ``model_set_change`` text (fedfew.auto_k)."""
+    model, its ``model_set_change`` text (fedfew.stch.auto_k)."""
     row: dict[str, Any] = round_scalars(logs, evaluation)
     if logs.get("model_set_change"):
         row["model_set_change"] = str(logs["model_set_change"])
@@ -259,7 +259,7 @@ class ResultFiles:
 
 
 class PlotFiles:
-    """Draws the PNGs of :mod:`fedfew.plots` into ``<run_dir>/plots`` on rank 0, from the
+    """Draws the PNGs of :mod:`fedfew.reporting.plots` into ``<run_dir>/plots`` on rank 0, from the
     ``history.json`` that :class:`ResultFiles` (placed before it) has just written: at
     evaluation rounds (at most every :data:`PLOT_INTERVAL_S` seconds) and at the end.
 
@@ -284,7 +284,7 @@ class PlotFiles:
     def draw(self) -> list[Path]:
         """Redraw every picture now (never raises)."""
         try:
-            from fedfew.plots import write_plots
+            from fedfew.reporting.plots import write_plots
 
             self.written = write_plots(self.run_dir, w_rounds=self.rounds)
         except Exception as err:  # pictures must never stop a run
@@ -307,7 +307,7 @@ class PlotFiles:
 
 
 def _is_wandb(logger) -> bool:
-    from fedfew.loggers import WandbLogger
+    from fedfew.reporting.loggers import WandbLogger
 
     return isinstance(logger, WandbLogger)
 
@@ -315,7 +315,7 @@ def _is_wandb(logger) -> bool:
 class LoggerBridge:
     """Sends each round's scalars to Fabric's loggers (CSV) with the round as step.
 
-    W&B loggers are left to :class:`fedfew.monitoring.WandbMonitor`, which logs the scalars
+    W&B loggers are left to :class:`fedfew.reporting.wandb_monitor.WandbMonitor`, which logs the scalars
     under sectioned names together with the media of the same round.
     """
 
@@ -325,7 +325,7 @@ class LoggerBridge:
 
     def on_fit_start(self, sim) -> None:
         for logger in self._loggers(sim):
-            if hasattr(logger, "start_at"):  # fedfew.loggers.RoundCSVLogger: keep the rows before a resume
+            if hasattr(logger, "start_at"):  # fedfew.reporting.loggers.RoundCSVLogger: keep the rows before a resume
                 logger.start_at(getattr(sim, "start_round", 1))
             logger.log_hyperparams(OmegaConf.to_container(sim.cfg, resolve=True))
 
@@ -342,7 +342,7 @@ class LoggerBridge:
 
 class ConsoleReport:
     """Progress on rank 0, and at the end the per-client table, the headline figures and where
-    the run is (:func:`print_client_table`, :func:`fedfew.runs.where_lines`; on interruption
+    the run is (:func:`print_client_table`, :func:`fedfew.experiments.run_folders.where_lines`; on interruption
     too).
 
     On a terminal (stderr): a rich progress bar over rounds (elapsed, ETA, loss, g, last mean
@@ -358,7 +358,7 @@ class ConsoleReport:
     logging per round (both averaged over the rounds since the previous line), ``eta``: the
     rounds left times the mean wall time per round so far.
 
-    While the rounds run, the run folder holds :data:`fedfew.runs.PID_FILE` (this process), so
+    While the rounds run, the run folder holds :data:`fedfew.experiments.run_folders.PID_FILE` (this process), so
     ``make runs`` tells a live run from a stopped one.
 
     Args:
@@ -387,7 +387,7 @@ class ConsoleReport:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         self.run_dir = Path(sim.run_dir)
-        from fedfew.runs import mark_running
+        from fedfew.experiments.run_folders import mark_running
 
         mark_running(self.run_dir)  # `make runs` tells a live run from a stopped one
         if self.plain is None:
@@ -451,7 +451,7 @@ class ConsoleReport:
             return
         if self.progress is not None:
             self.progress.stop()
-        from fedfew.runs import clear_running, where_lines
+        from fedfew.experiments.run_folders import clear_running, where_lines
 
         clear_running(sim.run_dir)
         print("\n".join(where_lines(sim.run_dir, finished=False)), flush=True)
@@ -460,7 +460,7 @@ class ConsoleReport:
         if sim.fabric.global_rank != 0:
             return
         self.progress.stop()
-        from fedfew.runs import clear_running
+        from fedfew.experiments.run_folders import clear_running
 
         clear_running(sim.run_dir)
         print_client_table(results, run_dir=sim.run_dir)
@@ -495,7 +495,7 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         f"sample-weighted {s['acc_weighted']:.4f}; majority-label baseline {s['majority_acc_mean']:.4f}",
         models_line(s),
     ]
-    from fedfew.runs import diverged_clients
+    from fedfew.experiments.run_folders import diverged_clients
 
     diverged = diverged_clients(results)
     if diverged:
@@ -505,7 +505,7 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
     nonfinite = describe_nonfinite(results.get("nonfinite"), int(s.get("rounds") or 0))
     if nonfinite:  # a diverged run says so before any figure
         lines.insert(0 if s.get("verdict") == "diverged" else len(lines), nonfinite)
-    if s.get("K_changes") is not None:  # FedFew K=auto (fedfew.auto_k)
+    if s.get("K_changes") is not None:  # FedFew K=auto (fedfew.stch.auto_k)
         retired = ", ".join(f"{c['model']} at round {c['round']} ({c['reason']}"
                             + (f" of {c['partner']})" if c.get("partner") is not None else ")") for c in s["K_changes"])
         lines.append(f"K=auto: {s['K']} of {s['K_initial']} models left, ids {s['model_ids']}; retired: {retired or 'none'}")
@@ -532,7 +532,7 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
 def print_client_table(results: dict[str, Any], run_dir: str | Path | None = None) -> None:
     """Per-client table (size, chosen model, accuracy, majority baseline), the headline figures
     (:func:`summary_lines`) and, with ``run_dir``, where the run is and the commands that open
-    its notebook and plots (:func:`fedfew.runs.where_lines`)."""
+    its notebook and plots (:func:`fedfew.experiments.run_folders.where_lines`)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -546,7 +546,7 @@ def print_client_table(results: dict[str, Any], run_dir: str | Path | None = Non
     console.print(table)
     lines = summary_lines(results)
     if run_dir is not None:
-        from fedfew.runs import where_lines
+        from fedfew.experiments.run_folders import where_lines
 
         lines += where_lines(run_dir)
     for line in lines:  # whole lines (a path is never wrapped), no rich markup in paths

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedfew.data.base import FederatedData
-from fedfew.module import KModelSet, has_batch_norm
+from fedfew.core.model_set import KModelSet, has_batch_norm
 
 
 def batch_bounds(n: int, batch_size: int, merge_single: bool = False) -> list[tuple[int, int]]:
@@ -17,7 +17,7 @@ def batch_bounds(n: int, batch_size: int, merge_single: bool = False) -> list[tu
     order, ``batch_size`` each, the last one partial (kept, so clients smaller than a batch still
     train).
 
-    With ``merge_single`` (models with BatchNorm, see :func:`fedfew.module.has_batch_norm`), a
+    With ``merge_single`` (models with BatchNorm, see :func:`fedfew.core.model_set.has_batch_norm`), a
     final batch of exactly one sample is merged into the previous batch, which then holds
     ``batch_size + 1`` samples: BatchNorm cannot normalise a batch of one in train mode
     ("Expected more than 1 value per channel when training"), and merging keeps every sample

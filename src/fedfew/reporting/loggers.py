@@ -61,7 +61,7 @@ class _KeepingWriter(ExperimentWriter):
             path.unlink()
             fields = []
         elif len(keep) != len(rows) or fields != list(reader.fieldnames or []):
-            from fedfew.io import atomic_write_text
+            from fedfew.core.io import atomic_write_text
 
             buf = io.StringIO()
             writer = csv.DictWriter(buf, fieldnames=fields)

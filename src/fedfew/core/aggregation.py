@@ -3,7 +3,7 @@
 The FedFew server step needs sum_i alpha_i w_ik d_ik, but alpha depends on every client's
 losses, which are known only after every client has trained. Instead of keeping all M x K
 deltas in memory, each delta is added as soon as it exists with its *unnormalised* log weight
-a_ik (see :func:`fedfew.scalarization.client_log_weights`), rescaling a running maximum as in
+a_ik (see :func:`fedfew.stch.scalarization.client_log_weights`), rescaling a running maximum as in
 a streaming softmax; the global normaliser is applied once at the end. Memory is K x d per
 rank whatever M is, and the result equals the direct sum up to float rounding.
 """
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from fedfew.distributed import all_reduce_
+from fedfew.core.distributed import all_reduce_
 
 
 class LogWeightedSum:

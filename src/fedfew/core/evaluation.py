@@ -42,9 +42,9 @@ from torch import nn
 
 from fedfew.algorithms.base import Algorithm, Context
 from fedfew.data.base import ClientSplit, FederatedData
-from fedfew.distributed import gather_rows
-from fedfew.local import evaluate_model, train_local
-from fedfew.seeding import derive_seed
+from fedfew.core.distributed import gather_rows
+from fedfew.core.local_training import evaluate_model, train_local
+from fedfew.core.seeding import derive_seed
 
 # columns of one client's evaluation row (group: -1 when the partition has no known groups);
 # n_test is the number of scored samples (the validation split's under eval.split=val)
@@ -119,7 +119,7 @@ class EvalSettings:
 
 
 class _FineTuned:
-    """What :func:`fedfew.local.train_local` trains: a scratch model with the run's local
+    """What :func:`fedfew.core.local_training.train_local` trains: a scratch model with the run's local
     optimizer (``module.make_optimizer``: optim.name, the round's lr, momentum, weight decay)."""
 
     def __init__(self, model: nn.Module, module) -> None:
@@ -136,7 +136,7 @@ class _FineTuned:
 
 def same_shapes(a: nn.Module, b: nn.Module) -> bool:
     """Whether ``a`` and ``b`` hold parameters and buffers of the same shapes, in the same order
-    (so :func:`fedfew.module.copy_parameters_` copies one into the other whole)."""
+    (so :func:`fedfew.core.model_set.copy_parameters_` copies one into the other whole)."""
     def shapes(m: nn.Module) -> list[tuple[int, ...]]:
         return [tuple(t.shape) for t in (*m.parameters(), *m.buffers())]
 
@@ -154,7 +154,7 @@ def finetune_copy(model: nn.Module, scratch: nn.Module, ctx: Context, client: Cl
     Returns:
         ``scratch``, trained.
     """
-    from fedfew.module import copy_parameters_
+    from fedfew.core.model_set import copy_parameters_
 
     copy_parameters_(scratch, model)
     device = ctx.fabric.device

@@ -5,13 +5,13 @@ A comparison or a tune of AG News runs for hours. When it is killed (a closed se
 pre-empted node, Ctrl-C), a finished run is reused, and since a run written by these tools
 saves ``checkpoints/last.ckpt`` every :data:`CHECKPOINT_EVERY` rounds, an unfinished one resumes
 from its last checkpoint on the next invocation instead of starting again at round 1. A resumed
-run gives the figures of an uninterrupted one (:mod:`fedfew.checkpoint`; ``checkpoint_every``
-and ``resume`` never change results, :data:`fedfew.runs.RESULT_NEUTRAL`). The checkpoint is
+run gives the figures of an uninterrupted one (:mod:`fedfew.core.checkpoint`; ``checkpoint_every``
+and ``resume`` never change results, :data:`fedfew.experiments.run_folders.RESULT_NEUTRAL`). The checkpoint is
 deleted once the run has written ``results.json`` (an AG News Ditto checkpoint, 21 TextCNNs,
 is about 0.25 GB), unless the user set ``checkpoint_every`` themselves.
 
 A run folder is picked up only when it was made with the same overrides, up to those that do
-not change results (:func:`fedfew.runs.result_overrides`); the callers decide what to do with
+not change results (:func:`fedfew.experiments.run_folders.result_overrides`); the callers decide what to do with
 one that was not (compare refuses, the tune starts the trial afresh).
 
 Two tools never write into one folder at once: each holds :data:`LOCK_FILE` of its output folder
@@ -32,8 +32,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from fedfew.checkpoint import checkpoint_path
-from fedfew.nonfinite import DIVERGED_EXIT
+from fedfew.core.checkpoint import checkpoint_path
+from fedfew.core.nonfinite import DIVERGED_EXIT
 
 #: rounds between the checkpoints of a run launched here (about 2.5 min of AG News, at most that
 #: is lost per interrupted run)
@@ -90,8 +90,8 @@ def exclusive(folder: Path, tool: str) -> Iterator[None]:
 
 def check_not_training(run_dir: Path) -> None:
     """Raise :class:`Busy` when a live process on this host trains ``run_dir``
-    (:data:`fedfew.runs.PID_FILE`), e.g. a run whose tool was killed with SIGKILL."""
-    from fedfew.runs import live_trainer
+    (:data:`fedfew.experiments.run_folders.PID_FILE`), e.g. a run whose tool was killed with SIGKILL."""
+    from fedfew.experiments.run_folders import live_trainer
 
     holder = live_trainer(run_dir)
     if holder:
@@ -124,7 +124,7 @@ def progress(run_dir: Path, overrides: Sequence[str]) -> str:
         overrides that change results: another experiment's). Folders without a record of their
         overrides count as this run's.
     """
-    from fedfew.runs import result_overrides
+    from fedfew.experiments.run_folders import result_overrides
 
     run_dir = Path(run_dir)
     if (run_dir / RESULTS).exists():
@@ -149,7 +149,7 @@ def interrupted(code: int) -> bool:
 
 def outcome(code: int, run_dir: Path) -> str:
     """A launched run's end: ``done`` (exit 0 and results.json), ``diverged`` (it stopped early
-    because every client went non-finite, exit :data:`fedfew.nonfinite.DIVERGED_EXIT`, with its
+    because every client went non-finite, exit :data:`fedfew.core.nonfinite.DIVERGED_EXIT`, with its
     results.json: an outcome, not a crash), ``interrupted`` (a signal stopped it,
     :func:`interrupted`: its checkpoint is kept) or ``failed``."""
     if code in (0, DIVERGED_EXIT) and (Path(run_dir) / RESULTS).exists():

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from fedfew.io import atomic_torch_save
+from fedfew.core.io import atomic_torch_save
 
 CHECKPOINT_NAME = "last.ckpt"
 
@@ -158,7 +158,7 @@ def check_resume_config(state: Mapping[str, Any], cfg: DictConfig | Mapping[str,
     ``resume_extend_rounds=true``; it can never fall below the checkpoint's round.
 
     Args:
-        state: a checkpoint (:meth:`fedfew.simulation.Simulation.state_dict`): ``config`` (the
+        state: a checkpoint (:meth:`fedfew.core.simulation.Simulation.state_dict`): ``config`` (the
             resolved config of the run that wrote it) and ``round``.
         cfg: the new run's config.
         source: how the message names the checkpoint (its path).

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfew.seeding import derive_seed
+from fedfew.core.seeding import derive_seed
 
 INITS = ("independent", "identical")
 

@@ -10,7 +10,7 @@ One round (every rank runs the same code on its own clients)::
     -> every eval_every rounds and at the end: selection + personalized accuracy
 
 A client whose loss, update or personal state is not finite is reported to ``ctx.nonfinite``
-(:mod:`fedfew.nonfinite`) and left out of the round; after ``DIVERGED_ROUNDS`` rounds in a row in
+(:mod:`fedfew.core.nonfinite`) and left out of the round; after ``DIVERGED_ROUNDS`` rounds in a row in
 which every participant was, the run stops early with ``summary.verdict = "diverged"``.
 """
 from __future__ import annotations
@@ -25,18 +25,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms.base import Algorithm, Context
-from fedfew.checkpoint import (StopSignal, check_resume_config, checkpoint_path, rng_states, save_checkpoint,
+from fedfew.core.checkpoint import (StopSignal, check_resume_config, checkpoint_path, rng_states, save_checkpoint,
                                set_rng_states)
 from fedfew.data.base import FederatedData
 from fedfew.data.federated import build_federated_data, to_device
-from fedfew.distributed import all_reduce_, gather_rows, merge_dicts
-from fedfew.budget import StepCounter, communication
-from fedfew.evaluation import EvalSettings, best_round, evaluate_clients, reported
-from fedfew.io import atomic_torch_save
+from fedfew.core.distributed import all_reduce_, gather_rows, merge_dicts
+from fedfew.core.budget import StepCounter, communication
+from fedfew.core.evaluation import EvalSettings, best_round, evaluate_clients, reported
+from fedfew.core.io import atomic_torch_save
 from fedfew.models import MODELS, DataInfo
-from fedfew.module import KModelSet, round_lr
-from fedfew.nonfinite import NonFiniteLog
-from fedfew.seeding import derive_seed
+from fedfew.core.model_set import KModelSet, round_lr
+from fedfew.core.nonfinite import NonFiniteLog
+from fedfew.core.seeding import derive_seed
 
 if TYPE_CHECKING:  # Lightning's import takes ~3 s (torchmetrics, transformers): a Flower client never needs it
     from lightning.fabric import Fabric
@@ -126,7 +126,7 @@ class Simulation:
             nonfinite=self.nonfinite,
         )
         self.algorithm = alg_cls(cfg.algorithm, self.ctx)
-        # per participating client per round (fedfew.budget); steps are not counted by the vmap engine
+        # per participating client per round (fedfew.core.budget); steps are not counted by the vmap engine
         self.communication = communication(alg_cls, cfg.algorithm, self.module.models[0])
         self.count_steps = str(cfg.get("engine", "loop")) != "vmap"
         self.eval_settings = EvalSettings.from_config(cfg)
@@ -200,7 +200,7 @@ class Simulation:
     def budget(self) -> dict[str, Any]:
         """What the run spent so far (results.json ``budget``): rounds, server models kept,
         participants per round, parameters d of one model, communication per participating
-        client per round (:class:`fedfew.budget.Communication`), bytes per round and in total,
+        client per round (:class:`fedfew.core.budget.Communication`), bytes per round and in total,
         local SGD steps (None with the vmap engine, which does not count them)."""
         last = self.history[-1] if self.history else {}
         per_round = len(last.get("participants") or [])
@@ -239,7 +239,7 @@ class Simulation:
 
     # ---- checkpoints -------------------------------------------------------------------
     def state_dict(self, rnd: int, host_state: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
-        """Everything later rounds depend on (see :mod:`fedfew.checkpoint`).
+        """Everything later rounds depend on (see :mod:`fedfew.core.checkpoint`).
 
         ``host_state``: every client's host state (default: this rank's, all of it on one process).
         """
@@ -247,7 +247,7 @@ class Simulation:
             "round": rnd,
             "config": OmegaConf.to_container(self.cfg, resolve=True),  # checked on resume
             "models": self.module.models.state_dict(),
-            "model_ids": list(self.module.model_ids),  # the set K=auto left (fedfew.auto_k)
+            "model_ids": list(self.module.model_ids),  # the set K=auto left (fedfew.stch.auto_k)
             "algorithm": self.algorithm.state_dict(),
             "host_state": self.ctx.host_state if host_state is None else host_state,
             "rng": rng_states(),
@@ -266,7 +266,7 @@ class Simulation:
 
         Raises:
             ResumeError: (a ValueError) this run's config differs from the checkpoint's in a key
-                that changes results (:func:`fedfew.checkpoint.check_resume_config`).
+                that changes results (:func:`fedfew.core.checkpoint.check_resume_config`).
             ValueError: the checkpoint was made on a different partition, or from other data (its
                 ``data_fingerprint``, when it records one).
         """

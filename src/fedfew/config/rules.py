@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, ListConfig
 
-from fedfew.registry import declared, registered_names
+from fedfew.core.registry import declared, registered_names
 
 
 class ConfigError(ValueError):
@@ -219,7 +219,7 @@ def validate_config(cfg: DictConfig) -> None:
             f"  algorithm.K={K} > num_clients={M}: more shared models than clients leaves models that no "
             "client can select; use K <= num_clients"
         )
-    if K == "auto":  # fedfew.auto_k
+    if K == "auto":  # fedfew.stch.auto_k
         K_max, K_min = _lookup(cfg, "algorithm.K_max"), _lookup(cfg, "algorithm.K_min")
         if K_max is _MISSING:
             problems.append(f"  algorithm.K=auto: algorithm={_lookup(cfg, 'algorithm.name')} has no automatic K (only "
@@ -296,7 +296,7 @@ def ignored_key(cfg: DictConfig, key: str) -> str | None:
     """Why a run with ``cfg`` ignores ``key``, or None when it uses it: a key is ignored when
     :data:`RULES` has rules for it and none applies, e.g. ``partition.alpha`` under
     ``partition=clustered`` with ``within=iid``. Keys without a rule count as used. The text names
-    the choice that ignores the key and the choices that use it; :mod:`fedfew.overrides` refuses
+    the choice that ignores the key and the choices that use it; :mod:`fedfew.config.overrides` refuses
     an explicit override of such a key (it would change nothing, and its value is not checked).
     """
     rules = [rule for rule in RULES if rule.key == key]

@@ -25,13 +25,13 @@ from typing import Any, Mapping
 import numpy as np
 from omegaconf import OmegaConf
 
-from fedfew.io import atomic_write_bytes, atomic_write_json
+from fedfew.core.io import atomic_write_bytes, atomic_write_json
 
 __all__ = ["PartitionReport", "build_report", "partition_line", "partition_scheme", "partition_table", "partition_title", "write_heatmap"]
 
 
 def build_report(sim) -> dict[str, Any]:
-    """``partition.json``'s content for a :class:`~fedfew.simulation.Simulation`."""
+    """``partition.json``'s content for a :class:`~fedfew.core.simulation.Simulation`."""
     from fedfew.data.federated import partition_seed
     from fedfew.data.partition import partition_summary
 

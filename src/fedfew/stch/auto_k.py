@@ -1,7 +1,7 @@
 """``algorithm.K=auto``: start with ``K_max`` server models and retire those no client needs.
 
 The rule reads only what the STCH-Set step already computes each round: the scaled loss matrix
-L' (P x K, nats, the losses the weights see: :func:`fedfew.scalarization.weight_losses`), the
+L' (P x K, nats, the losses the weights see: :func:`fedfew.stch.scalarization.weight_losses`), the
 soft selections w = softmax_k(-L'/mu) and mu itself. mu is the resolution of the objective:
 two models whose losses on a client differ by less than mu get weights within a factor e of
 each other, and the smoothed objective cannot tell them apart (its error bound is
@@ -31,7 +31,7 @@ converge to the same point and split their clients' weight. Retiring them is wha
 A model redundant for ``auto_patience`` rounds in a row is retired, at most one per round (the
 unserved before duplicates, then the one with the smallest soft client count sum_i w_ik),
 never below ``K_min`` models. Retiring removes the model from the K-model set
-(:meth:`fedfew.module.KModelSet.retire_`): the engines, the STCH-Set weights and the next
+(:meth:`fedfew.core.model_set.KModelSet.retire_`): the engines, the STCH-Set weights and the next
 round see K - 1 models; each model keeps its original id (``module.model_ids``) in every log.
 
 No split rule is built: a model whose clients disagree is not divided (start with a larger

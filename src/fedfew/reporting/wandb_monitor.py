@@ -2,7 +2,7 @@
 offline run back.
 
 :class:`WandbMonitor` is the Fabric callback that sends everything to the W&B logger(s) of a
-run (:class:`fedfew.loggers.WandbLogger`), on rank 0, one ``run.log`` per round with the round
+run (:class:`fedfew.reporting.loggers.WandbLogger`), on rank 0, one ``run.log`` per round with the round
 as W&B step. It logs only what the algorithm's round logs hold, so baselines plug in:
 
 every round
@@ -33,7 +33,7 @@ at the end
     accuracy), ``summary/acc_by_client`` and ``summary/clients_per_model`` (bar charts),
     ``summary/alpha_over_rounds`` (one line per client), ``summary/K_changes`` (K=auto: a
     table of the retirements), ``plots/<name>`` (the PNGs of
-    :mod:`fedfew.plots`), and ``final/<summary key>`` in the run summary.
+    :mod:`fedfew.reporting.plots`), and ``final/<summary key>`` in the run summary.
 
 The dashboard layout built from these names is described in ``docs/dashboard.md``.
 
@@ -57,8 +57,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from fedfew.callbacks import PER_MODEL_KEYS as TRAIN_PER_MODEL_KEYS
-from fedfew.callbacks import client_info, eval_scalars, train_scalars
+from fedfew.reporting.callbacks import PER_MODEL_KEYS as TRAIN_PER_MODEL_KEYS
+from fedfew.reporting.callbacks import client_info, eval_scalars, train_scalars
 
 #: per-model vectors among the standard round logs
 PER_MODEL_KEYS = frozenset({"effective_step", "weight_per_model", "weight_share", "effective_clients"})
@@ -129,7 +129,7 @@ def _png_image(fig, caption: str):
 def heatmap_image(logs: dict[str, Any], key: str, num_clients: int):
     """The M x K ``key`` (w or loss) of one round as a ``wandb.Image`` (same picture as the
     PNG files), or None."""
-    from fedfew.plots import matrix_figure
+    from fedfew.reporting.plots import matrix_figure
 
     rec = {"round": logs["round"], "participants": list(logs["participants"]), "model_ids": logs.get("model_ids"),
            key: logs[key].detach().cpu().double().reshape(len(logs["participants"]), -1).tolist()}
@@ -172,7 +172,7 @@ class WandbMonitor:
     # -- callbacks -----------------------------------------------------------------------------
 
     def on_fit_start(self, sim) -> None:
-        from fedfew.loggers import WandbLogger
+        from fedfew.reporting.loggers import WandbLogger
 
         if sim.fabric.global_rank != 0:
             return

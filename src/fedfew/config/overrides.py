@@ -10,8 +10,8 @@ the closest valid key (:mod:`difflib` on the dotted key and on its last part, so
 ``algorithm.mu``) and the options of the group that do define it.
 
 A key that exists but that the chosen settings ignore is refused the same way: the config is
-composed with every override, and an override of a key whose rules in :mod:`fedfew.config` apply
-to none of the chosen settings (:func:`fedfew.config.ignored_key`) is named with the choices
+composed with every override, and an override of a key whose rules in :mod:`fedfew.config.rules` apply
+to none of the chosen settings (:func:`fedfew.config.rules.ignored_key`) is named with the choices
 that use it, e.g. ``partition.alpha=0`` on the clustered split with ``within=iid``: the run would
 train with the key ignored, and its value (invalid here) would never be checked.
 
@@ -22,7 +22,7 @@ reads it; ``make compare`` uses ``++algorithm.K=5`` this way to give every metho
 override.
 
 A group choice that does not exist (``algorithm=fedavgg``) is named with the closest options
-(:func:`fedfew.registry.unknown_name`: "did you mean fedavg?"), where Hydra lists them all
+(:func:`fedfew.core.registry.unknown_name`: "did you mean fedavg?"), where Hydra lists them all
 without a hint. Overrides of ``hydra.*``, deletions (``~key``) and nested group options
 (``tuned=<folder>/<preset>``) are left to Hydra, whose messages for those are accurate.
 :func:`main_check` is what ``python -m fedfew.train`` runs on its arguments before Hydra starts.
@@ -38,7 +38,7 @@ from typing import Any, Iterable
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 #: the configs of ``python -m fedfew.train`` (conf/, linked into the package)
-CONFIG_DIR = Path(__file__).resolve().parent / "conf"
+from fedfew.config import CONFIG_DIR
 #: a suggestion scoring below this (see :func:`closest_key`) is called "nearest", not "closest"
 SIMILAR = 0.6
 #: at most this many combinations of swept groups (and swept keys) are composed (beyond: no check)
@@ -139,7 +139,7 @@ def check_overrides(overrides: list[str], config_name: str = "config", config_di
         config_dir: the config directory.
     Raises:
         UnknownChoiceError: one line per group choice that does not exist (``algorithm=fedavgg``):
-            the closest options and all of them (:func:`fedfew.registry.unknown_name`).
+            the closest options and all of them (:func:`fedfew.core.registry.unknown_name`).
         UnknownKeyError: one line per unknown key: the override, the closest valid key, the
             group options that define it, and the ``++`` escape (then one line per ignored key).
         IgnoredKeyError: (no unknown key) one line per key the chosen settings ignore: the
@@ -163,7 +163,7 @@ def check_overrides(overrides: list[str], config_name: str = "config", config_di
     ignored_text = ("config key(s) that the chosen settings ignore, so they would change nothing (and their values "
                     "are never checked):\n" + "\n".join(f"  {line}" for line in ignored.values())) if ignored else ""
     if problems:
-        from fedfew.runs import python_command
+        from fedfew.experiments.run_folders import python_command
 
         raise UnknownKeyError(
             "unknown config key(s); no config defines them, so they would change nothing:\n"
@@ -221,7 +221,7 @@ def _find_problems(overrides: list[str], config_name: str, config_dir: Path) -> 
                 keys = keys if keys is not None else config_keys(cfg)
                 problems[o.input_line] = _describe(o, key, keys, cfg, config_dir)
         # the keys that exist: composed with every override, does a rule of the chosen settings use them?
-        from fedfew.config import ignored_key
+        from fedfew.config.rules import ignored_key
 
         known = [o for o in key_overrides if o.input_line not in problems]
         kept_lines = [o.input_line for o in kept if not o.is_sweep_override()]
@@ -240,8 +240,8 @@ def _find_problems(overrides: list[str], config_name: str, config_dir: Path) -> 
 
 def _unknown_choices(loader, groups: set[str], overrides: list) -> list[str]:
     """One line per option of a top-level group that ``conf/<group>/`` does not hold (every value
-    of a sweep), naming the closest options (:func:`fedfew.registry.unknown_name`)."""
-    from fedfew.registry import unknown_name
+    of a sweep), naming the closest options (:func:`fedfew.core.registry.unknown_name`)."""
+    from fedfew.core.registry import unknown_name
 
     lines = []
     for o in overrides:

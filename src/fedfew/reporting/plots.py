@@ -1,6 +1,6 @@
 """Pictures of a run as PNG files (matplotlib, Agg; no display needed).
 
-Every function reads the run's ``history.json`` content (see :func:`fedfew.callbacks.build_history`)
+Every function reads the run's ``history.json`` content (see :func:`fedfew.reporting.callbacks.build_history`)
 and returns a matplotlib :class:`~matplotlib.figure.Figure` built without pyplot, so importing
 this module never changes the global matplotlib backend (the analysis notebook uses the same
 functions inline). :func:`write_plots` saves them into ``<run_dir>/plots``:
@@ -19,7 +19,7 @@ functions inline). :func:`write_plots` saves them into ``<run_dir>/plots``:
     client_accuracy.png   distribution of per-client accuracy at the last evaluation, and
                           accuracy per client coloured by its chosen model
 
-Regenerate them from a finished run with ``python -m fedfew.plots RUN_DIR``.
+Regenerate them from a finished run with ``python -m fedfew.reporting.plots RUN_DIR``.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from fedfew.io import atomic_write_bytes
+from fedfew.core.io import atomic_write_bytes
 
 #: clients drawn as individual lines in the alpha plot (above: the image only)
 MAX_LINES = 30
@@ -402,12 +402,12 @@ def write_plots(run_dir: str | Path, history: dict[str, Any] | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m fedfew.plots RUN_DIR [ROUND ...]``: (re)draw the PNGs of a run."""
+    """``python -m fedfew.reporting.plots RUN_DIR [ROUND ...]``: (re)draw the PNGs of a run."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        from fedfew.runs import python_command
+        from fedfew.experiments.run_folders import python_command
 
-        print(f"usage: {python_command('fedfew.plots')} RUN_DIR [ROUND ...]  "
+        print(f"usage: {python_command('fedfew.reporting.plots')} RUN_DIR [ROUND ...]  "
               "(w/L heatmaps at ROUNDs; default first, middle, last)")
         return 0 if argv else 2
     run_dir = Path(argv[0])

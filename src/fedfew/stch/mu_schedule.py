@@ -29,7 +29,7 @@ Schedules, round r of R (1-based):
   few clients.
 
 The previous round's losses are used because each client's server-step weight is folded in as
-soon as it has trained (:mod:`fedfew.aggregation`), before the round's other losses exist.
+soon as it has trained (:mod:`fedfew.core.aggregation`), before the round's other losses exist.
 """
 from __future__ import annotations
 

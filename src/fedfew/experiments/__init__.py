@@ -1,0 +1,1 @@
+"""Many runs: run folders, training subprocesses, tuning and comparison."""

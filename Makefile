@@ -12,10 +12,10 @@ SHARED_DATA := $(abspath ../shared/data)
 TEST_DATA_DIR := $(or $(DATA_DIR),$(FEDFEW_DATA_DIR),$(wildcard $(SHARED_DATA)))
 DATA_ARG := $(if $(DATA_DIR),data_dir=$(abspath $(DATA_DIR)),)
 
-.PHONY: install train test compare bench slurm slurm-up slurm-down clean help runs notebook tune flower
+.PHONY: install train test compare bench slurm slurm-up slurm-down clean help runs notebook tune flower lint
 
 help:
-	@echo "make install | train DATASET=<name> [DATA_DIR=<dir>] [ARGS='<hydra overrides>'] | test | runs [ROOT=<dir>] | notebook RUN=<run dir>"
+	@echo "make install | train DATASET=<name> [DATA_DIR=<dir>] [ARGS='<hydra overrides>'] | test | lint | runs [ROOT=<dir>] | notebook RUN=<run dir>"
 	@echo "     tune DATASET=<name> ALGORITHMS='...' | compare DATASET=<name> ALGORITHMS='...' SEEDS='0 1 2' JOBS=2"
 	@echo "     slurm DATASET=<name> NODES=<n> GPUS=<g> TIME=<hh:mm:ss> [DATA_ON_NODES=1] | slurm-up | slurm-down | bench | gpu-check  (README.md, docs/)"
 
@@ -50,7 +50,10 @@ notebook: $(STAMP)
 	@test -n "$(RUN)" || { echo "usage: make notebook RUN=<run folder or folder of runs> (make runs lists them)"; exit 2; }
 	@$(BIN)/python -m fedfew.notebook $(RUN)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check src tests scripts
+
+test: $(STAMP) lint
 	FEDFEW_DATA_DIR=$(TEST_DATA_DIR) WANDB_MODE=$${WANDB_MODE:-offline} WANDB_SILENT=true \
 		$(BIN)/python -m pytest $(PYTEST_ARGS)
 

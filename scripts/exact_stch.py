@@ -37,7 +37,7 @@ def main(argv: list[str]) -> None:
     from fedfew.core.model_set import KModelSet
     from fedfew.stch.scalarization import stch_value, weight_losses
     from fedfew.core.seeding import derive_seed
-    from fedfew.core.simulation import data_info
+    from fedfew.simulator.simulation import data_info
 
     torch.set_num_threads(1)
     data = build_federated_data(cfg)

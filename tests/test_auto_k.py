@@ -16,7 +16,7 @@ from fedfew.core.checkpoint import checkpoint_path
 from fedfew.config.rules import ConfigError, validate_config
 from fedfew.core.model_set import KModelSet
 from fedfew.stch.mu_schedule import effective_clients, round_mu, spread_mu
-from fedfew.core.simulation import Simulation
+from fedfew.simulator.simulation import Simulation
 from torch import nn
 
 

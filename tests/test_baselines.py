@@ -27,7 +27,7 @@ from fedfew.algorithms.ifca import assign
 from fedfew.core.local_training import evaluate_model
 from fedfew.core.model_set import assign_flat_, flat_parameters
 from fedfew.core.seeding import derive_seed
-from fedfew.core.simulation import Simulation
+from fedfew.simulator.simulation import Simulation
 
 from conftest import CONF_DIR, compose_config
 
@@ -361,7 +361,7 @@ def test_clients_never_change_process_under_partial_participation():
     each rank trains exactly its own clients among each round's participants."""
     from types import SimpleNamespace
 
-    from fedfew.core.simulation import Simulation, select_participants
+    from fedfew.simulator.simulation import Simulation, select_participants
 
     sizes = torch.tensor([5, 9, 2, 7, 7, 1, 3, 8])
     ranks = [SimpleNamespace(num_clients=8, num_train=sizes, _owned=None,

@@ -21,7 +21,7 @@ from fedfew.core.local_training import batch_bounds, train_local
 from fedfew.models import MODELS, DataInfo
 from fedfew.core.model_set import assign_state_, assign_tensors_, flat_state, flatten_tensors, named_state
 from fedfew.core.seeding import derive_seed
-from fedfew.core.simulation import Simulation
+from fedfew.simulator.simulation import Simulation
 
 from conftest import compose_config
 

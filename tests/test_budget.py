@@ -13,7 +13,7 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.core.budget import StepCounter, bytes_per_parameter, communication
 from fedfew.models.base import BodyHead
-from fedfew.core.simulation import Simulation
+from fedfew.simulator.simulation import Simulation
 
 from conftest import compose_config
 

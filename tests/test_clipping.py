@@ -11,7 +11,7 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.config.rules import ConfigError, validate_config
 from fedfew.core.model_set import clip_before_step
-from fedfew.core.simulation import Simulation
+from fedfew.simulator.simulation import Simulation
 
 from conftest import compose_config
 

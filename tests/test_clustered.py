@@ -18,7 +18,7 @@ from fedfew.data.datasets.digits import load as load_digits
 from fedfew.data.federated import build_federated_data, partition_seed
 from fedfew.data.groups import GroupError, label_permutations, make_groups
 from fedfew.data.partition import client_groups
-from fedfew.core.evaluation import summarize
+from fedfew.simulator.evaluation import summarize
 
 from conftest import compose_config
 

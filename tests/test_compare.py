@@ -11,8 +11,14 @@ import os
 
 import pytest
 
-from fedfew import compare, tune
-from fedfew.compare import MAJORITY, CompareError, Run, summarize, to_csv, to_markdown
+from fedfew import compare
+from fedfew.experiments import comparison
+from fedfew.experiments import comparison_table
+from pathlib import Path
+from fedfew.config import presets
+from fedfew.experiments import tuning
+from fedfew.experiments.comparison_table import MAJORITY, CompareError, summarize, to_csv, to_markdown
+from fedfew.experiments.comparison import Run
 
 
 def fake_results(acc_mean: float, majority: list[float], partition: str = "p0", rounds: int = 5,
@@ -89,7 +95,7 @@ def test_spread_and_paired_differences_equal_hand_computations():
     assert table["b"]["seeds"] == "3" and table["b"]["acc_mean"] == f"{(0.85 + 0.72 + 0.87) / 3:.6f}"
     md = to_markdown(rows, "t")
     assert "| b | 0.8133 ± 0.0814 |" in md and "+0.0133 ± 0.0404 [0:+0.0500 1:+0.0200 2:-0.0300]" in md
-    assert "**fedfew is not first**" in compare.ranking_note(rows, "fedfew")
+    assert "**fedfew is not first**" in comparison_table.ranking_note(rows, "fedfew")
 
 
 def test_a_method_below_the_majority_label_on_some_seed_is_flagged():
@@ -130,7 +136,7 @@ def test_clients_whose_scored_model_diverged_are_counted_per_seed_even_above_the
 
 def test_a_runs_summary_names_the_clients_whose_scored_model_diverged():
     from fedfew.reporting.callbacks import summary_lines
-    from fedfew.experiments.run_folders import diverged_clients
+    from fedfew.core.run_folders import diverged_clients
 
     run = fake_results(0.6, [0.5, 0.3, 0.2])
     run["summary"].update(models_served=[3])
@@ -154,14 +160,14 @@ def test_presets_tuned_for_another_setup_are_named(tmp_path):
         r["config"]["partition"] = partition
         return r
     clustered = {"name": "clustered", "groups": 4, "group_transform": "rotate", "group_data": "split", "within": "iid"}
-    setup = tune.describe_setup(OmegaConf.create(run(clustered)["config"]))
+    setup = presets.describe_setup(OmegaConf.create(run(clustered)["config"]))
     assert setup.startswith("digits, clustered (4 groups, rotate, split; within iid), M=2 clients, 5 rounds")
     preset = tmp_path / "digits_fedavg.yaml"
     preset.write_text(f"# @package _global_\n# tuned for: {setup}\noptim:\n  lr: 0.5\n")
     for partition, named in ((clustered, False), ({"name": "dirichlet", "alpha": 0.5}, True)):
         results = {("fedavg", 0): run(partition), ("local", 0): run(partition)}
         rows, _ = summarize(results, ["fedavg", "local"], reference=None, presets={"fedavg": str(preset), "local": ""})
-        _, notes = compare.describe(rows, results, "digits", [0], None)
+        _, notes = comparison_table.describe(rows, results, "digits", [0], None)
         mismatch = [n for n in notes if n.startswith("presets tuned for another setup")]
         assert mismatch == ([f"presets tuned for another setup than these runs' (digits, dirichlet (alpha=0.5), M=2 "
                              f"clients, 5 rounds, 1 local epoch(s), batch 50, participation 1.0, model mlp): fedavg "
@@ -178,61 +184,61 @@ def test_a_preset_tuned_for_the_runs_setup_wins_is_matched_on_every_setup_key_an
     dirichlet = compose_config("dataset=digits", "algorithm=fedavg", "partition=dirichlet")
     pathological = compose_config("dataset=digits", "algorithm=fedavg", "partition=pathological")
     min_size_20 = compose_config("dataset=digits", "algorithm=fedavg", "partition=dirichlet", "partition.min_size=20")
-    assert tune.describe_setup(min_size_20) == tune.describe_setup(dirichlet)   # the words do not tell them apart
+    assert presets.describe_setup(min_size_20) == presets.describe_setup(dirichlet)   # the words do not tell them apart
 
     def preset(path, cfg, lr):
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"# @package _global_\n# tuned for: {tune.describe_setup(cfg)}\n"
-                        f"# setup: {json.dumps(tune.setup_keys(cfg))}\noptim:\n  lr: {lr}\n")
+        path.write_text(f"# @package _global_\n# tuned for: {presets.describe_setup(cfg)}\n"
+                        f"# setup: {json.dumps(presets.setup_keys(cfg))}\noptim:\n  lr: {lr}\n")
         return path
 
-    monkeypatch.setattr(tune, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(presets, "TUNED_DIR", tmp_path)
     top = preset(tmp_path / "digits_fedavg.yaml", clustered, 0.5)
     sub = preset(tmp_path / "digits_partition-dirichlet" / "digits_fedavg.yaml", dirichlet, 0.9)
-    assert tune.preset_matches(top, clustered) and not tune.preset_matches(top, dirichlet)
-    assert tune.preset_matches(sub, dirichlet) and not tune.preset_matches(sub, min_size_20)
-    assert compare.preset_for("digits", "fedavg", None, [], clustered) == (("~tuned", "optim.lr=0.5"), str(top))
-    assert compare.preset_for("digits", "fedavg", None, [], dirichlet) == (("~tuned", "optim.lr=0.9"), str(sub))
+    assert presets.preset_matches(top, clustered) and not presets.preset_matches(top, dirichlet)
+    assert presets.preset_matches(sub, dirichlet) and not presets.preset_matches(sub, min_size_20)
+    assert comparison.preset_for("digits", "fedavg", None, [], clustered) == (("~tuned", "optim.lr=0.5"), str(top))
+    assert comparison.preset_for("digits", "fedavg", None, [], dirichlet) == (("~tuned", "optim.lr=0.9"), str(sub))
     # no preset for that setup: the dataset's own (and the note names it), also for a key the words miss
-    assert compare.preset_for("digits", "fedavg", None, [], pathological)[1] == str(top)
-    assert compare.preset_for("digits", "fedavg", None, [], min_size_20)[1] == str(top)
-    assert compare.preset_for("digits", "fedavg", str(tmp_path), [], dirichlet)[1] == str(top)  # --presets DIR: that one
+    assert comparison.preset_for("digits", "fedavg", None, [], pathological)[1] == str(top)
+    assert comparison.preset_for("digits", "fedavg", None, [], min_size_20)[1] == str(top)
+    assert comparison.preset_for("digits", "fedavg", str(tmp_path), [], dirichlet)[1] == str(top)  # --presets DIR: that one
     rows = [{"algorithm": "fedavg", "preset": str(sub)}]
-    assert compare.setup_mismatch(rows, OmegaConf_dict(dirichlet)) is None
-    assert "fedavg for digits, dirichlet (alpha=0.5)" in compare.setup_mismatch(rows, OmegaConf_dict(min_size_20))
+    assert comparison_table.setup_mismatch(rows, OmegaConf_dict(dirichlet)) is None
+    assert "fedavg for digits, dirichlet (alpha=0.5)" in comparison_table.setup_mismatch(rows, OmegaConf_dict(min_size_20))
     # a preset written before the ``# setup:`` line: matched on its words
     old = tmp_path / "old" / "digits_fedavg.yaml"
     old.parent.mkdir()
-    old.write_text(f"# @package _global_\n# tuned for: {tune.describe_setup(pathological)}\noptim:\n  lr: 0.1\n")
-    assert tune.preset_matches(old, pathological) and not tune.preset_matches(old, dirichlet)
-    assert compare.preset_for("digits", "fedavg", None, [], pathological)[1] == str(old)
+    old.write_text(f"# @package _global_\n# tuned for: {presets.describe_setup(pathological)}\noptim:\n  lr: 0.1\n")
+    assert presets.preset_matches(old, pathological) and not presets.preset_matches(old, dirichlet)
+    assert comparison.preset_for("digits", "fedavg", None, [], pathological)[1] == str(old)
     # make train applies conf/tuned/<dataset>_<alg>.yaml to every setup: it is told when that one is not tuned for it,
     # with the keys that differ
-    assert tune.preset_note("digits_fedavg", clustered) is None and tune.preset_note(None, dirichlet) is None
-    assert tune.setup_differences(sub, min_size_20) == ["partition.min_size: 10 in the preset, 20 here"]
-    assert tune.preset_note("digits_fedavg", dirichlet).startswith(
+    assert presets.preset_note("digits_fedavg", clustered) is None and presets.preset_note(None, dirichlet) is None
+    assert presets.setup_differences(sub, min_size_20) == ["partition.min_size: 10 in the preset, 20 here"]
+    assert presets.preset_note("digits_fedavg", dirichlet).startswith(
         "preset conf/tuned/digits_fedavg.yaml was tuned for another setup (partition: clustered in the preset, "
         "dirichlet here)")
-    assert tune.preset_note("digits_fedavg", dirichlet).endswith(
+    assert presets.preset_note("digits_fedavg", dirichlet).endswith(
         "): add tuned=digits_partition-dirichlet/digits_fedavg, tuned for this setup")
-    assert tune.preset_note("digits_fedavg", min_size_20).endswith(
+    assert presets.preset_note("digits_fedavg", min_size_20).endswith(
         "no preset in conf/tuned was tuned for this setup (make tune with the same overrides makes one: docs/tuning.md)")
-    assert tune.preset_note("digits_partition-dirichlet/digits_fedavg", dirichlet) is None
+    assert presets.preset_note("digits_partition-dirichlet/digits_fedavg", dirichlet) is None
     fedprox = compose_config("dataset=digits", "algorithm=fedprox", "partition=dirichlet")
-    assert "is not digits_fedprox's" in tune.preset_note("digits_partition-dirichlet/digits_fedavg", fedprox)
+    assert "is not digits_fedprox's" in presets.preset_note("digits_partition-dirichlet/digits_fedavg", fedprox)
     # keys beyond the words: the model, the optimizer, clients per round
     for key in ("model.hidden=[64]", "optim.name=adam", "clients_per_round=5"):
         other = compose_config("dataset=digits", "algorithm=fedavg", key)
-        assert tune.describe_setup(other) == tune.describe_setup(clustered) and not tune.preset_matches(top, other), key
+        assert presets.describe_setup(other) == presets.describe_setup(clustered) and not presets.preset_matches(top, other), key
     # a preset that records no setup (hand-written) is neither matched nor named; an unreadable # setup: line
     # falls back to the words
     bare = tmp_path / "bare.yaml"
     bare.write_text("# @package _global_\noptim:\n  lr: 0.1\n")
-    assert tune.preset_matches(bare, dirichlet) is None and tune.setup_differences(bare, dirichlet) is None
-    assert compare.setup_mismatch([{"algorithm": "fedavg", "preset": str(bare)}], OmegaConf_dict(dirichlet)) is None
+    assert presets.preset_matches(bare, dirichlet) is None and presets.setup_differences(bare, dirichlet) is None
+    assert comparison_table.setup_mismatch([{"algorithm": "fedavg", "preset": str(bare)}], OmegaConf_dict(dirichlet)) is None
     broken = tmp_path / "broken.yaml"
-    broken.write_text(f"# tuned for: {tune.describe_setup(dirichlet)}\n# setup: {{not json\noptim:\n  lr: 0.1\n")
-    assert tune.preset_matches(broken, dirichlet) and not tune.preset_matches(broken, clustered)
+    broken.write_text(f"# tuned for: {presets.describe_setup(dirichlet)}\n# setup: {{not json\noptim:\n  lr: 0.1\n")
+    assert presets.preset_matches(broken, dirichlet) and not presets.preset_matches(broken, clustered)
 
 
 def OmegaConf_dict(cfg) -> dict:
@@ -247,10 +253,10 @@ def test_one_seed_has_no_spread_and_the_first_method_is_said_to_be_first():
     b, a, maj = rows
     assert math.isnan(b["acc_mean_std"]) and math.isnan(a["diff_acc_mean_std"])
     assert a["diff_acc_mean"] == pytest.approx(-0.1)
-    assert compare.ranking_note(rows, "b").startswith("b is first")
+    assert comparison_table.ranking_note(rows, "b").startswith("b is first")
     assert list(csv.DictReader(io.StringIO(to_csv(rows))))[0]["acc_mean_std"] == ""
     # the table's title and the setup every method shared, from results.json's config
-    title, notes = compare.describe(rows, results, "digits", [0], "b")
+    title, notes = comparison_table.describe(rows, results, "digits", [0], "b")
     assert title == "digits: personalized test accuracy, protocol final, seeds 0"
     assert notes[0] == "b is first on client-mean accuracy (0.9000; next: a 0.8000)"
     assert notes[1].startswith("shared by every method: M=2 clients, dirichlet (alpha=0.5), 5 rounds, 1 local "
@@ -272,12 +278,12 @@ def test_mismatched_partitions_are_refused_and_budget_differences_flagged():
 def test_presets_become_explicit_overrides_that_the_extra_overrides_beat(tmp_path):
     (tmp_path / "digits_fedfew.yaml").write_text(
         "# @package _global_\n# best validation score: 0.9000 (trial 3)\noptim:\n  lr: 0.25\nalgorithm:\n  mu: 0.07\n")
-    preset, source = compare.preset_for("digits", "fedfew", str(tmp_path), [])
+    preset, source = comparison.preset_for("digits", "fedfew", str(tmp_path), [])
     assert preset == ("~tuned", "optim.lr=0.25", "algorithm.mu=0.07") and source.endswith("digits_fedfew.yaml")
-    assert compare.preset_for("digits", "fedfew", str(tmp_path), ["optim.lr=0.1"])[0] == ("~tuned", "algorithm.mu=0.07")
-    assert compare.preset_for("digits", "fedavg", str(tmp_path), []) == (("~tuned",), "")   # none in that folder
-    assert compare.preset_for("digits", "fedfew", "none", []) == (("~tuned",), "")
-    assert compare.preset_score(source) == "0.9000 (trial 3)"
+    assert comparison.preset_for("digits", "fedfew", str(tmp_path), ["optim.lr=0.1"])[0] == ("~tuned", "algorithm.mu=0.07")
+    assert comparison.preset_for("digits", "fedavg", str(tmp_path), []) == (("~tuned",), "")   # none in that folder
+    assert comparison.preset_for("digits", "fedfew", "none", []) == (("~tuned",), "")
+    assert comparison_table.preset_score(source) == "0.9000 (trial 3)"
     with pytest.raises(CompareError, match="no such folder"):
         compare.main(["--algorithms", "fedavg", "--out", str(tmp_path), "--presets", str(tmp_path / "nope")])
 
@@ -301,7 +307,7 @@ def test_algorithms_that_cannot_run_are_named_or_left_out_before_any_run(tmp_pat
         started.extend(runs)
         raise Started
 
-    monkeypatch.setattr(compare, "run_all", run_all)
+    monkeypatch.setattr(comparison, "run_all", run_all)
     # named: oracle needs client groups, so on Dirichlet it is an error, and nothing starts
     with pytest.raises(CompareError, match="(?s)oracle cannot run on this setup: .*use partition=clustered"):
         compare.main(["--algorithms", "fedavg oracle", "--out", str(tmp_path), "--", "partition=dirichlet"])
@@ -318,18 +324,18 @@ def test_algorithms_that_cannot_run_are_named_or_left_out_before_any_run(tmp_pat
     # without --out the folder names the setup as run folders do (threads and paths left out), so
     # comparisons of different setups never meet each other's runs
     assert {r.out for r in started} == {tmp_path / "compare" / "digits_partition-dirichlet"}
-    assert compare.default_out("digits", ["algorithm.K=5"], str(tmp_path / "tune" / "digits_x" / "presets")) == (
+    assert comparison.default_out("digits", ["algorithm.K=5"], str(tmp_path / "tune" / "digits_x" / "presets")) == (
         tmp_path / "compare" / "digits_K-5_presets-digits_x")
-    assert compare.default_out("digits", [], "none") == tmp_path / "compare" / "digits_presets-none"
+    assert comparison.default_out("digits", [], "none") == tmp_path / "compare" / "digits_presets-none"
     # a key no config defines is named with the closest valid one, before any run
     with pytest.raises(CompareError, match="closest valid key: algorithm.mu"):
         compare.main(["--out", str(tmp_path), "--", "mu=0.1"])
     # the default list leaves out a method without a key the overrides set, and the table says so
-    kept, left_out = tune.runnable_algorithms(
+    kept, left_out = tuning.runnable_algorithms(
         ["fedfew", "fedavg"], named=False, overrides_of=lambda alg: [f"algorithm={alg}", "algorithm.K=5"])
     assert list(kept) == ["fedfew"] and kept["fedfew"].algorithm.K == 5
     assert len(left_out) == 1 and left_out[0].startswith("fedavg (") and "algorithm.K" in left_out[0]
-    expected = [a for a in compare.default_algorithms() if a not in ("oracle", "fedbn")]
+    expected = [a for a in comparison.default_algorithms() if a not in ("oracle", "fedbn")]
     assert sorted(r.algorithm for r in started if r.seed == 0) == sorted(expected) and len(started) == 2 * len(expected)
     out = capsys.readouterr().out
     assert "left out" in out and "oracle (" in out and "fedbn (" in out
@@ -342,14 +348,14 @@ def test_algorithms_that_cannot_run_are_named_or_left_out_before_any_run(tmp_pat
     with pytest.raises(CompareError, match="closest valid key: algorithm.mu_prox"):
         compare.main(["--algorithms", "fedprox", "fedavg", "--out", str(tmp_path), "--", "algorithm.mu_prx=0.05"])
     # oracle with a K other than the number of groups is left out of the default list, not failed at run time
-    kept, left_out = tune.runnable_algorithms(
+    kept, left_out = tuning.runnable_algorithms(
         ["oracle", "fedfew"], named=False, overrides_of=lambda alg: [f"algorithm={alg}", "algorithm.K=5"])
     assert list(kept) == ["fedfew"] and "algorithm.K=5 and partition.groups=4" in left_out[0]
     # a partition key the setup ignores changes nothing for any method: refused, before any run
     with pytest.raises(CompareError, match=r"partition.alpha=0.1: the chosen partition=clustered \(within=iid\) "):
         compare.main(["--out", str(tmp_path), "--", "partition.alpha=0.1"])
     # engine=vmap is FedFew's: the default list leaves out the methods that would ignore it
-    kept, left_out = tune.runnable_algorithms(
+    kept, left_out = tuning.runnable_algorithms(
         ["fedfew", "fedavg", "fedfew_reference"], named=False, overrides_of=lambda alg: [f"algorithm={alg}", "engine=vmap"])
     assert list(kept) == ["fedfew", "fedfew_reference"]
     assert left_out == ["fedavg (invalid configuration: engine=vmap with algorithm=fedavg: only fedfew and "
@@ -454,7 +460,7 @@ def test_a_run_is_reused_from_another_data_folder_with_the_same_data_and_refused
     assert (run / "results.json").stat().st_mtime_ns == stamp
     md = (out / "compare.md").read_text()
     assert "-- 'data_dir=<data_dir>' num_clients=2" in md and f"data_dir={b}" not in md
-    assert "tuned preset conf/tuned/agnews_fedavg.yaml" in md and str(compare.Path(tune.TUNED_DIR)) not in md
+    assert "tuned preset conf/tuned/agnews_fedavg.yaml" in md and str(Path(presets.TUNED_DIR)) not in md
     assert next(csv.DictReader((out / "compare.csv").open()))["preset"] == "conf/tuned/agnews_fedavg.yaml"
 
     with pytest.raises(CompareError, match=rf"results.json was made from other data than this comparison reads "
@@ -472,7 +478,7 @@ def test_a_run_is_reused_from_another_data_folder_with_the_same_data_and_refused
     with pytest.raises(CompareError, match=rf"partition hash {made['partition_hash'][:12]} recorded \(no data "
                                            rf"fingerprint.*\), [0-9a-f]{{12}} on the data in {c}"):
         compare.main(argv(c))
-    with pytest.raises(CompareError, match=f"cannot tell whether .* DataNotFoundError: AG News not found"):
+    with pytest.raises(CompareError, match="cannot tell whether .* DataNotFoundError: AG News not found"):
         compare.main(argv(tmp_path / "nowhere"))
 
 
@@ -498,8 +504,8 @@ def test_a_failed_run_stays_out_of_the_table_even_with_results(tmp_path, monkeyp
     def collect(runs):
         raise Collected(sorted(r.algorithm for r in runs))
 
-    monkeypatch.setattr(compare, "run_all", run_all)
-    monkeypatch.setattr(compare, "collect", collect)
+    monkeypatch.setattr(comparison, "run_all", run_all)
+    monkeypatch.setattr(comparison, "collect", collect)
     with pytest.raises(Collected) as info:
         compare.main(["--algorithms", "fedavg", "local", "--out", str(tmp_path), "--", "rounds=2"])
     assert info.value.args[0] == ["local"]
@@ -579,13 +585,13 @@ def test_a_run_stopped_by_a_signal_is_reported_and_continued_on_the_next_invocat
     python.chmod(0o755)
     run = Run("fedavg", 0, tmp_path / "cmp", ("rounds=2",))
     said: list[str] = []
-    assert compare.run_all([run], python=str(python), echo=said.append) == {run: "interrupted"}
+    assert comparison.run_all([run], python=str(python), echo=said.append) == {run: "interrupted"}
     assert "stopped by a signal" in said[-1] and (run.dir / "checkpoints" / "last.ckpt").is_file()
     said.clear()
-    assert compare.run_all([run], python=str(python), echo=said.append) == {run: "done"}
+    assert comparison.run_all([run], python=str(python), echo=said.append) == {run: "done"}
     assert "(continuing from its checkpoint)" in said[0] and "for its last part" in said[-1]
     assert not (run.dir / "checkpoints").exists()                    # dropped once the run finished
-    assert compare.run_all([run], python=str(python), echo=said.append) == {run: "reused"}
+    assert comparison.run_all([run], python=str(python), echo=said.append) == {run: "reused"}
 
 
 def test_sigterm_to_the_comparison_alone_stops_its_runs_at_a_checkpoint(tmp_path):
@@ -624,10 +630,10 @@ def test_own_keys_show_k_only_for_methods_that_have_it():
     """``++algorithm.K=5`` reaches every method's node; the table lists K only where the method
     defines it (conf/algorithm/<name>.yaml), beside the keys its search space tunes."""
     node = {"K": 5, "mu": 0.1, "server_lr": 1.0, "normalize": True}
-    assert compare.own_keys({"algorithm": {"name": "fedfew", **node}}) == "K=5, mu=0.1, server_lr=1.0"
-    assert compare.own_keys({"algorithm": {"name": "ifca", "K": 5}}) == "K=5"
-    assert compare.own_keys({"algorithm": {"name": "fedavg", "K": 5}}) == ""
-    assert compare.own_keys({"algorithm": {"name": "fedrep", "K": 5, "head_epochs": 3}}) == "head_epochs=3"
+    assert comparison_table.own_keys({"algorithm": {"name": "fedfew", **node}}) == "K=5, mu=0.1, server_lr=1.0"
+    assert comparison_table.own_keys({"algorithm": {"name": "ifca", "K": 5}}) == "K=5"
+    assert comparison_table.own_keys({"algorithm": {"name": "fedavg", "K": 5}}) == ""
+    assert comparison_table.own_keys({"algorithm": {"name": "fedrep", "K": 5, "head_epochs": 3}}) == "head_epochs=3"
 
 
 def test_eval_also_gives_a_second_table_from_the_same_runs(tmp_path, capsys):
@@ -651,7 +657,7 @@ def test_eval_also_gives_a_second_table_from_the_same_runs(tmp_path, capsys):
     assert "protocol finetune" in (out / "compare_finetune.md").read_text().splitlines()[0]
     assert (out / "accuracy_rounds_finetune.png").stat().st_size > 0
     # a protocol only some runs were scored under makes no table
-    assert compare.also_protocols({("a", 0): {"also": {"finetune": {}}}, ("b", 0): {}}) == []
+    assert comparison_table.also_protocols({("a", 0): {"also": {"finetune": {}}}, ("b", 0): {}}) == []
 
 
 @pytest.mark.slow

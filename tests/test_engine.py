@@ -16,7 +16,7 @@ from fedfew.engines.vmap import VmapEngine
 from fedfew.core.local_training import train_local
 from fedfew.core.model_set import KModelSet, flat_parameters, flat_state
 from fedfew.core.seeding import derive_seed
-from fedfew.core.simulation import Simulation
+from fedfew.simulator.simulation import Simulation
 
 from conftest import compose_config, real_data_dir
 

@@ -15,11 +15,11 @@ from sklearn.metrics import balanced_accuracy_score, f1_score
 from fedfew.reporting.callbacks import eval_scalars
 from fedfew.config.rules import ConfigError, validate_config
 from fedfew.data.federated import build_federated_data
-from fedfew.core.evaluation import EvalSettings, client_metrics
+from fedfew.simulator.evaluation import EvalSettings, client_metrics
 from fedfew.core.local_training import train_local
 from fedfew.core.model_set import KModelSet
 from fedfew.core.seeding import derive_seed
-from fedfew.core.simulation import Simulation
+from fedfew.simulator.simulation import Simulation
 
 from conftest import compose_config
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fedfew.stch.scalarization import stch_set
 from fedfew.core.seeding import derive_seed
-from fedfew.core.simulation import Simulation, shard_clients
+from fedfew.simulator.simulation import Simulation, shard_clients
 
 from conftest import compose_config
 

@@ -2,7 +2,7 @@
 
 - every supported algorithm through real Flower Messages and records (the ClientApp called in
   process, :class:`~fedfew.flower.server.LocalTransport`): the same per-client accuracies, alpha,
-  w, losses and server models as :class:`fedfew.core.simulation.Simulation`;
+  w, losses and server models as :class:`fedfew.simulator.simulation.Simulation`;
 - Flower's simulation engine (Ray) and a real deployment (``flower-superlink`` + 8
   ``flower-supernode`` processes on localhost, each reading its own data directory): the same;
 - faults: a node with a wrong partition id or a missing data directory is named by the server;
@@ -42,7 +42,7 @@ def _config(algorithm: str, rounds: int, *extra: str):
 def _simulate(cfg, run_dir: Path) -> dict:
     from lightning.fabric import Fabric
 
-    from fedfew.core.simulation import Simulation
+    from fedfew.simulator.simulation import Simulation
 
     with contextlib.redirect_stdout(io.StringIO()):
         return Simulation(cfg, Fabric(accelerator="cpu", devices=1), run_dir).fit()
@@ -268,7 +268,7 @@ def test_killed_supernode_is_left_out_and_rejoins(tmp_path):
     finally:
         deployment.close()
     flower_log = (tmp_path / "run" / "flower.log").read_text()
-    assert f"round 2: client 2 (node" in flower_log and f"left out of this train: no reply within {timeout} s" in flower_log
+    assert "round 2: client 2 (node" in flower_log and f"left out of this train: no reply within {timeout} s" in flower_log
     assert "round 3: client 2 rejoined on node" in flower_log
     history = json.loads((tmp_path / "run" / "history.json").read_text())["rounds"]
     assert [h["participants"] for h in history] == [[0, 1, 2, 3], [0, 1, 3], [0, 1, 2, 3]]

@@ -10,9 +10,10 @@ import textwrap
 import pytest
 
 from fedfew import compare, tune
-from fedfew.experiments import run_folders as runs
+from fedfew.experiments import comparison
+from fedfew.core import run_folders
 from fedfew.experiments.launch import FAILED_RESULTS, LOCK_FILE, Busy, exclusive, launch, outcome, progress
-from fedfew.tune import TuneError
+from fedfew.experiments.tune_errors import TuneError
 
 from conftest import idle_process
 from test_tune import FAKE_TRAIN
@@ -66,22 +67,22 @@ def test_a_run_folder_that_a_live_process_trains_is_left_alone(tmp_path, sleeper
     run_dir = tmp_path / "fedavg" / "seed0"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "checkpoints" / "last.ckpt").write_text("stand-in")
-    (run_dir / runs.PID_FILE).write_text(f"{socket.gethostname()} {sleeper.pid}\n")
+    (run_dir / run_folders.PID_FILE).write_text(f"{socket.gethostname()} {sleeper.pid}\n")
     log = tmp_path / "run.log"
     with pytest.raises(Busy, match=rf"being trained by process {sleeper.pid} .*kill {sleeper.pid}"):
         launch(["hydra.run.dir=" + str(run_dir)], run_dir, log, ["true"])
     assert not log.exists()
     # compare says so before any run starts
-    run = compare.Run("fedavg", 0, tmp_path, (), "digits", (), "")
+    run = comparison.Run("fedavg", 0, tmp_path, (), "digits", (), "")
     assert run.dir == run_dir
     with pytest.raises(Busy, match=f"being trained by process {sleeper.pid}"):
-        compare.check_reusable(run)
+        comparison.check_reusable(run)
     # the tune neither removes nor trains into it (the folder of the defaults run here)
     out = tmp_path / "tune"
     busy = out / "fedavg" / "defaults" / "seed0"
     busy.mkdir(parents=True)
     (busy / "stand-in").write_text("x")
-    (busy / runs.PID_FILE).write_text(f"{socket.gethostname()} {sleeper.pid}\n")
+    (busy / run_folders.PID_FILE).write_text(f"{socket.gethostname()} {sleeper.pid}\n")
     fake = tmp_path / "fake_train.py"
     fake.write_text(FAKE_TRAIN)
     monkeypatch.setenv("FAKE_LOG", str(tmp_path / "invocations.log"))
@@ -93,17 +94,17 @@ def test_a_run_folder_that_a_live_process_trains_is_left_alone(tmp_path, sleeper
     # a pid that the system gave to another program since (the file outlived a crash) is not a trainer
     other = idle_process()
     try:
-        (run_dir / runs.PID_FILE).write_text(f"{socket.gethostname()} {other.pid}\n")
-        assert runs.live_trainer(run_dir) is None and compare.check_reusable(run) == "checkpoint"
+        (run_dir / run_folders.PID_FILE).write_text(f"{socket.gethostname()} {other.pid}\n")
+        assert run_folders.live_trainer(run_dir) is None and comparison.check_reusable(run) == "checkpoint"
     finally:
         other.kill()
         other.wait()
-    (run_dir / runs.PID_FILE).write_text(f"{socket.gethostname()} {sleeper.pid}\n")
+    (run_dir / run_folders.PID_FILE).write_text(f"{socket.gethostname()} {sleeper.pid}\n")
     # once that process has ended, the folder is free again
     sleeper.kill()
     sleeper.wait()
-    assert runs.live_trainer(run_dir) is None
-    assert compare.check_reusable(run) == "checkpoint"
+    assert run_folders.live_trainer(run_dir) is None
+    assert comparison.check_reusable(run) == "checkpoint"
 
 
 def test_a_run_that_fails_after_writing_its_results_is_failed_on_every_invocation(tmp_path):

@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fedfew.core.model_set import flat_parameters, round_lr
-from fedfew.core.simulation import Simulation
+from fedfew.simulator.simulation import Simulation
 
 from conftest import compose_config
 

@@ -108,7 +108,7 @@ def test_check_loads_no_data_and_knows_the_registries(tmp_path):
     from fedfew.algorithms import ALGORITHMS
     from fedfew.data.datasets import DATASETS
     from fedfew.models import MODELS
-    from fedfew.train import check_registered
+    from fedfew.experiments.training import check_registered
 
     proc = subprocess.run([sys.executable, "-m", "fedfew.check", "--data-on-nodes", "dataset=agnews",
                            f"data_dir={tmp_path / 'none'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -10,9 +10,8 @@ import sys
 import pytest
 import torch
 
-from fedfew.algorithms.base import Algorithm, Context
 from fedfew.core.nonfinite import DIVERGED_EXIT, DIVERGED_ROUNDS, NonFiniteLog, describe
-from fedfew.core.simulation import Simulation
+from fedfew.simulator.simulation import Simulation
 
 from conftest import compose_config
 

@@ -75,7 +75,7 @@ def test_unknown_group_options_name_the_closest_ones():
 
 
 def test_registry_names_the_closest_too():
-    from fedfew.train import check_registered
+    from fedfew.experiments.training import check_registered
 
     with pytest.raises(ValueError, match=r"^unknown algorithm 'fedfeww'; did you mean fedfew or fedem or fedrep\? available: "):
         check_registered("algorithm", "fedfew.algorithms", "fedfeww")

@@ -19,8 +19,8 @@ import torch
 from conftest import compose_config
 from fedfew.core.checkpoint import ADDED_KEYS, RESUME_FREE_KEYS, ResumeError, check_resume_config, checkpoint_path, resolve_resume
 from fedfew.reporting.loggers import RoundCSVLogger
-from fedfew.core.simulation import Simulation
-from fedfew.train import preflight
+from fedfew.simulator.simulation import Simulation
+from fedfew.experiments.training import preflight
 from test_train_cli import ROOT, train
 
 SMALL = ("num_clients=4", "partition=iid", "logger=none", "trainer.threads=1")

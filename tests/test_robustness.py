@@ -16,7 +16,7 @@ import torch
 
 from fedfew.data.federated import build_federated_data
 from fedfew.stch.scalarization import stch_set
-from fedfew.core.simulation import Simulation, select_participants
+from fedfew.simulator.simulation import Simulation, select_participants
 
 from conftest import compose_config
 from test_train_cli import ROOT, train

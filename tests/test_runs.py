@@ -14,23 +14,24 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fedfew.experiments import run_folders as runs
+from fedfew import runs as runs_cli
+from fedfew.core import run_folders
+from fedfew.experiments import run_list
 from fedfew.reporting.callbacks import ConsoleReport, print_client_table
 from conftest import idle_process
-from test_train_cli import train
 
 
 def test_run_suffix_is_short_readable_and_pastable():
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    suffix = runs.run_suffix(["algorithm.K=5", "partition=pathological", "data_dir=/data/x", "trainer.threads=1",
+    suffix = run_folders.run_suffix(["algorithm.K=5", "partition=pathological", "data_dir=/data/x", "trainer.threads=1",
                               "dataset=agnews", "algorithm=ifca", "logger.tags=[a,b]", "optim.lr=0.05",
                               "+dataset.note=a b/c"])
     assert suffix == "_K-5_partition-pathological_lr-0.05_note-a_b_c"
-    assert runs.run_suffix([]) == "" and runs.run_suffix(["data_dir=/x", "resume=auto"]) == ""
+    assert run_folders.run_suffix([]) == "" and run_folders.run_suffix(["data_dir=/x", "resume=auto"]) == ""
     # too many overrides: the ones that fit, then how many were left out
-    many = runs.run_suffix([f"optim.key{i}=value{i}" for i in range(10)])
-    assert many.endswith("_+6") and len(many) <= runs.MAX_SUFFIX + 1
+    many = run_folders.run_suffix([f"optim.key{i}=value{i}" for i in range(10)])
+    assert many.endswith("_+6") and len(many) <= run_folders.MAX_SUFFIX + 1
     assert many.startswith("_key0-value0_key1-value1_key2-value2_key3-value3")
     # the folder goes back into hydra.run.dir=... unquoted
     folder = f"outputs/digits/fedfew/2026-01-01_12-00-00{suffix}{many}"
@@ -39,20 +40,20 @@ def test_run_suffix_is_short_readable_and_pastable():
 
 def test_setup_folders_keep_setups_apart_and_ignore_what_does_not_change_results(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDFEW_OUTPUT_DIR", str(tmp_path))
-    assert runs.setup_folder("compare", "digits", []) == tmp_path / "compare" / "digits"
-    assert runs.setup_folder("tune", "digits", ["partition=pathological", "trainer.threads=1", "data_dir=/d"]) == (
+    assert run_folders.setup_folder("compare", "digits", []) == tmp_path / "compare" / "digits"
+    assert run_folders.setup_folder("tune", "digits", ["partition=pathological", "trainer.threads=1", "data_dir=/d"]) == (
         tmp_path / "tune" / "digits_partition-pathological")
     # a tuned setup with its presets fits whole (up to SETUP_SUFFIX characters, not a run folder's 60)
-    both = runs.setup_folder("compare", "digits", ["partition=pathological", "presets=digits_partition-pathological"])
+    both = run_folders.setup_folder("compare", "digits", ["partition=pathological", "presets=digits_partition-pathological"])
     assert both.name == "digits_partition-pathological_presets-digits_partition-pathological"
     # setups whose names are cut (_+N) and differ only in what was cut still get two folders
     long = [f"optim.key{i}=value{i}" for i in range(12)]
-    a, b = (runs.setup_folder("compare", "digits", [*long, f"optim.lr={lr}"]) for lr in (0.1, 0.2))
+    a, b = (run_folders.setup_folder("compare", "digits", [*long, f"optim.lr={lr}"]) for lr in (0.1, 0.2))
     assert a != b and "_+" in a.name and a.name.split("-")[:-1] == b.name.split("-")[:-1]
-    assert a == runs.setup_folder("compare", "digits", [*long, "optim.lr=0.1", "trainer.threads=1"])
+    assert a == run_folders.setup_folder("compare", "digits", [*long, "optim.lr=0.1", "trainer.threads=1"])
     # what two runs must share to be the same experiment: not threads, logging, the run folder or where
     # the data lies (its content is compared instead: fedfew.data.fingerprint)
-    assert runs.result_overrides(["algorithm.K=5", "trainer.threads=1", "logger=none", "+logger.tags=[a]",
+    assert run_folders.result_overrides(["algorithm.K=5", "trainer.threads=1", "logger=none", "+logger.tags=[a]",
                                   "hydra.run.dir=/x", "checkpoint_every=5", "data_dir=/d", "+data_dir=/e",
                                   "seed=1"]) == ["algorithm.K=5", "seed=1"]
 
@@ -61,19 +62,19 @@ def test_committed_text_names_no_absolute_path_of_the_machine(tmp_path):
     """Preset headers and compare.md record data_dir as <data_dir>, paths inside the checkout
     relative to it (through its symlinks: src/fedfew/conf is conf) and a folder outside it by its
     name only."""
-    inside = runs.CHECKOUT / "src" / "fedfew" / "conf" / "tuned" / "agnews_fedfew.yaml"
-    assert runs.portable_path(inside) == "conf/tuned/agnews_fedfew.yaml"
-    assert runs.portable_path("results/agnews/compare") == "results/agnews/compare"
-    assert runs.portable_path(tmp_path / "presets") == "<elsewhere>/presets" and runs.portable_path("/") == "<elsewhere>"
-    assert runs.portable_overrides(["data_dir=/work/shared/data", "+data_dir=/x", "trainer.threads=1",
-                                    f"hydra.run.dir={runs.CHECKOUT}/outputs/a"]) == [
+    inside = run_folders.CHECKOUT / "src" / "fedfew" / "conf" / "tuned" / "agnews_fedfew.yaml"
+    assert run_folders.portable_path(inside) == "conf/tuned/agnews_fedfew.yaml"
+    assert run_folders.portable_path("results/agnews/compare") == "results/agnews/compare"
+    assert run_folders.portable_path(tmp_path / "presets") == "<elsewhere>/presets" and run_folders.portable_path("/") == "<elsewhere>"
+    assert run_folders.portable_overrides(["data_dir=/work/shared/data", "+data_dir=/x", "trainer.threads=1",
+                                    f"hydra.run.dir={run_folders.CHECKOUT}/outputs/a"]) == [
         "data_dir=<data_dir>", "+data_dir=<data_dir>", "trainer.threads=1", "hydra.run.dir=outputs/a"]
-    command = (f"python -m fedfew.compare --out {runs.CHECKOUT}/results/agnews/compare --presets {tmp_path}/t/presets "
+    command = (f"python -m fedfew.compare --out {run_folders.CHECKOUT}/results/agnews/compare --presets {tmp_path}/t/presets "
                "--jobs 2 -- data_dir=/work/shared/data trainer.threads=1 'eval.also=[finetune]'")
-    assert runs.portable_command(command) == (
+    assert run_folders.portable_command(command) == (
         "python -m fedfew.compare --out results/agnews/compare --presets '<elsewhere>/presets' --jobs 2 -- "
         "'data_dir=<data_dir>' trainer.threads=1 'eval.also=[finetune]'")
-    assert runs.portable_command(["python", "-m", "x", "data_dir=/d"]) == "python -m x 'data_dir=<data_dir>'"
+    assert run_folders.portable_command(["python", "-m", "x", "data_dir=/d"]) == "python -m x 'data_dir=<data_dir>'"
 
 
 def test_printed_commands_name_the_running_interpreter(tmp_path, monkeypatch):
@@ -83,28 +84,28 @@ def test_printed_commands_name_the_running_interpreter(tmp_path, monkeypatch):
     bin_dir.mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
-    assert runs.python_command("fedfew.reporting.plots") == ".venv/bin/python -m fedfew.reporting.plots"
+    assert run_folders.python_command("fedfew.reporting.plots") == ".venv/bin/python -m fedfew.reporting.plots"
     monkeypatch.chdir(bin_dir)
-    assert runs.python_command("fedfew.reporting.plots") == "./python -m fedfew.reporting.plots"  # not a PATH lookup
+    assert run_folders.python_command("fedfew.reporting.plots") == "./python -m fedfew.reporting.plots"  # not a PATH lookup
     monkeypatch.setattr(sys, "executable", "/opt/my env/bin/python3")  # shorter than ../../../../opt/...
-    assert runs.python_command("fedfew.train") == "'/opt/my env/bin/python3' -m fedfew.train"
+    assert run_folders.python_command("fedfew.train") == "'/opt/my env/bin/python3' -m fedfew.train"
     monkeypatch.setattr(sys, "executable", "")  # no interpreter path known (embedded Python)
-    assert runs.python_command("fedfew.train") == "python -m fedfew.train"
+    assert run_folders.python_command("fedfew.train") == "python -m fedfew.train"
 
 
 def test_where_lines_name_the_folder_notebook_and_plots(tmp_path, monkeypatch):
     run_dir = tmp_path / "outputs" / "digits" / "fedfew" / "2026-01-01_12-00-00_K-5"
     monkeypatch.chdir(tmp_path)  # not the checkout: the notebook command works from anywhere
     monkeypatch.setattr(sys, "executable", str(tmp_path / ".venv" / "bin" / "python"))
-    lines = runs.where_lines(run_dir)
+    lines = run_folders.where_lines(run_dir)
     assert lines == ["run folder: outputs/digits/fedfew/2026-01-01_12-00-00_K-5",
                      "  notebook: .venv/bin/python -m fedfew.notebook outputs/digits/fedfew/2026-01-01_12-00-00_K-5   "
                      "(writes analysis.html there)",
                      "  plots:    outputs/digits/fedfew/2026-01-01_12-00-00_K-5/plots   "
                      "(redraw: .venv/bin/python -m fedfew.reporting.plots outputs/digits/fedfew/2026-01-01_12-00-00_K-5)"]
-    monkeypatch.chdir(runs.CHECKOUT)
-    assert runs.where_lines(run_dir)[1].startswith(f"  notebook: make notebook RUN={run_dir}")
-    stopped = runs.where_lines(run_dir, finished=False)
+    monkeypatch.chdir(run_folders.CHECKOUT)
+    assert run_folders.where_lines(run_dir)[1].startswith(f"  notebook: make notebook RUN={run_dir}")
+    stopped = run_folders.where_lines(run_dir, finished=False)
     assert "stopped early" in stopped[0] and len(stopped) == 2 and "notebook" not in " ".join(stopped)
 
 
@@ -202,21 +203,21 @@ def test_find_runs_newest_first_with_status_and_figures(tmp_path, capsys):
     running = make_run(tmp_path, "agnews/fedfew/d", now - 30, metrics=[{"round": 3, "g": 1.0}], rounds=60, touched=now)
     (done / "plots").mkdir()
     (done / "plots" / "config.yaml").write_text("not a run\n")  # folders inside a run are not runs
-    found = runs.find_runs([tmp_path])
+    found = run_list.find_runs([tmp_path])
     assert [r.path for r in found] == [running, resumable, stopped, done]
     assert [r.status for r in found] == ["running", "resumable", "interrupted", "done"]
     assert [r.rounds for r in found] == ["3/60", "1/4", "2/4", "4/4"]
     assert found[2].summary == {"acc_mean": 0.4, "acc_min": 0.1}  # the last evaluation so far
     assert found[3].summary["acc_weighted"] == 0.75 and found[3].wall_time_s == 90.0
 
-    assert runs.main([str(tmp_path)]) == 0
+    assert runs_cli.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if "fedfew/a" in line)
     cells = [c.strip() for c in row.strip("│ ").split("│")]
     assert cells[2:] == ["done", "4/4", "0.7500", "0.5000", "0.7500", "0.5000", "[1, 1]", "1.5 min"]
-    assert runs.main([str(tmp_path), "--limit", "1"]) == 0
+    assert runs_cli.main([str(tmp_path), "--limit", "1"]) == 0
     assert "3 older run(s) not shown (--all)" in capsys.readouterr().out
-    assert runs.main([str(tmp_path / "nothing")]) == 2
+    assert runs_cli.main([str(tmp_path / "nothing")]) == 2
 
 
 def test_status_follows_the_training_process_when_it_is_known(tmp_path):
@@ -227,39 +228,39 @@ def test_status_follows_the_training_process_when_it_is_known(tmp_path):
     # an old folder whose process still runs (a long first round): running
     live = make_run(tmp_path, "live", now - 3 * 3600, metrics=[{"round": 1, "g": 1.0}])
     trainer = idle_process("fedfew.train")  # a stand-in
-    (live / runs.PID_FILE).write_text(f"{socket.gethostname()} {trainer.pid}\n")
+    (live / run_folders.PID_FILE).write_text(f"{socket.gethostname()} {trainer.pid}\n")
     # an old folder whose pid now belongs to another program (the file outlived a crash): interrupted
     reused = make_run(tmp_path, "reused", now - 3 * 3600, metrics=[{"round": 1, "g": 1.0}])
     other = idle_process()
-    (reused / runs.PID_FILE).write_text(f"{socket.gethostname()} {other.pid}\n")
-    os.utime(reused / runs.PID_FILE, (now - 3 * 3600, now - 3 * 3600))  # written when that run started
+    (reused / run_folders.PID_FILE).write_text(f"{socket.gethostname()} {other.pid}\n")
+    os.utime(reused / run_folders.PID_FILE, (now - 3 * 3600, now - 3 * 3600))  # written when that run started
     # a fresh folder whose process is gone (killed a second ago): interrupted, not running
     gone = make_run(tmp_path, "gone", now - 5, metrics=[{"round": 2, "g": 1.0}], touched=now)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (gone / runs.PID_FILE).write_text(f"{socket.gethostname()} {dead.pid}\n")
+    (gone / run_folders.PID_FILE).write_text(f"{socket.gethostname()} {dead.pid}\n")
     # a process on another host: the modification time decides (fresh: running)
     elsewhere = make_run(tmp_path, "elsewhere", now - 5, metrics=[{"round": 2, "g": 1.0}], touched=now)
-    (elsewhere / runs.PID_FILE).write_text("some-other-host 1\n")
+    (elsewhere / run_folders.PID_FILE).write_text("some-other-host 1\n")
     try:
-        status = {r.path.name: r.status for r in runs.find_runs([tmp_path])}
+        status = {r.path.name: r.status for r in run_list.find_runs([tmp_path])}
     finally:
         for proc in (trainer, other):
             proc.kill()
             proc.wait()
     assert status == {"live": "running", "reused": "interrupted", "gone": "interrupted", "elsewhere": "running"}
-    runs.clear_running(live)
-    assert runs.run_info(live).status == "interrupted"
+    run_folders.clear_running(live)
+    assert run_list.run_info(live).status == "interrupted"
 
 
 def test_console_report_marks_the_run_while_it_trains(tmp_path, capsys):
     report = ConsoleReport(plain=True)
     sim = fake_sim(1, tmp_path)
     report.on_fit_start(sim)
-    assert (tmp_path / runs.PID_FILE).read_text().split()[1] == str(os.getpid())
+    assert (tmp_path / run_folders.PID_FILE).read_text().split()[1] == str(os.getpid())
     report.on_round_end(sim, 1, {"round": 1, "round_time_s": 0.1, "lr": 0.1}, None)
     report.on_interrupt(sim, 1)
-    assert not (tmp_path / runs.PID_FILE).exists()
+    assert not (tmp_path / run_folders.PID_FILE).exists()
     assert "stopped early" in capsys.readouterr().out
 
 
@@ -280,7 +281,7 @@ def test_two_process_run_is_quiet_named_and_says_where_it_is(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fedfew.train", "rounds=2", "num_clients=6", "partition=iid",
                            "eval_every=1", "trainer.devices=2", "trainer.strategy=ddp", "trainer.accelerator=cpu",
                            "trainer.threads=1", "logger=none"],
-                          cwd=runs.CHECKOUT, env={**full_env, "WANDB_MODE": "disabled"}, capture_output=True, text=True,
+                          cwd=run_folders.CHECKOUT, env={**full_env, "WANDB_MODE": "disabled"}, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout + proc.stderr
@@ -291,7 +292,7 @@ def test_two_process_run_is_quiet_named_and_says_where_it_is(tmp_path):
     assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_rounds-2_num_clients-6_partition-iid_eval_every-1_\+3",
                         run_dir.name), run_dir.name
     summary = json.loads((run_dir / "results.json").read_text())["summary"]
-    assert not (run_dir / runs.PID_FILE).exists()  # removed at the end: listed as done
+    assert not (run_dir / run_folders.PID_FILE).exists()  # removed at the end: listed as done
     progress = [line for line in proc.stdout.splitlines() if line.startswith("round ")]
     assert len(progress) == 2 and all(" s/round  wall " in line and "  train " in line for line in progress)
     assert progress[1].startswith("round 2/2  loss ") and f"acc {summary['acc_mean']:.4f}" in progress[1]

@@ -15,9 +15,16 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from fedfew import compare, tune
+from fedfew import tune
+from fedfew.experiments import comparison
+from fedfew.experiments import preset_files
+from fedfew.config import presets
+from fedfew.experiments import search_space
+from fedfew.experiments import studies
+from fedfew.experiments import tuning
 from fedfew.algorithms import ALGORITHMS
-from fedfew.tune import Dimension, TuneError
+from fedfew.experiments.search_space import Dimension
+from fedfew.experiments.tune_errors import TuneError
 
 from conftest import compose_config
 
@@ -115,7 +122,7 @@ def test_bad_input_is_refused_before_any_run(tmp_path, fake, monkeypatch):
     space = tmp_path / "space"
     space.mkdir()
     (space / "common.yaml").write_text("optim.lr: {low: 0.1, high: 2.0, log: true, scale: dataset.lr}\n")
-    monkeypatch.setattr(tune, "SPACE_DIR", space)
+    monkeypatch.setattr(search_space, "SPACE_DIR", space)
     with pytest.raises(TuneError, match="no search space for algorithm fedavg"):
         tune.main(argv(out, 2), command=command)
     assert not out.exists() and not log.exists()  # nothing ran, nothing was written
@@ -123,13 +130,13 @@ def test_bad_input_is_refused_before_any_run(tmp_path, fake, monkeypatch):
 
 def test_the_default_list_leaves_out_what_cannot_run_and_a_named_one_is_an_error(tmp_path):
     args = tune.parse_args(["--out", str(tmp_path), "--", "partition=dirichlet"])
-    names = [p.algorithm for p in tune.plans(args)]
+    names = [p.algorithm for p in tuning.plans(args)]
     assert "oracle" not in names and {"fedfew", "fedavg", "fedrep"} <= set(names)   # oracle needs client groups
     with pytest.raises(TuneError, match="oracle.*use partition=clustered"):
-        tune.plans(tune.parse_args(["--algorithms", "oracle", "--out", str(tmp_path), "--", "partition=dirichlet"]))
+        tuning.plans(tune.parse_args(["--algorithms", "oracle", "--out", str(tmp_path), "--", "partition=dirichlet"]))
     assert not tmp_path.joinpath("oracle").exists()
     # a key only the named method defines is its own (fedfew, the config default, lacks it): fixed, not searched
-    plan, = tune.plans(tune.parse_args(["--algorithms", "fedprox", "--out", str(tmp_path), "--", "algorithm.mu_prox=0.05"]))
+    plan, = tuning.plans(tune.parse_args(["--algorithms", "fedprox", "--out", str(tmp_path), "--", "algorithm.mu_prox=0.05"]))
     assert [d.key for d in plan.space] == ["optim.lr"] and plan.cfg.algorithm.mu_prox == 0.05
 
 
@@ -137,18 +144,18 @@ def test_the_default_folder_names_the_setup_and_points_to_an_older_one(tmp_path,
     """Without --out, tunes of different setups get different folders (as make compare's do), under
     $FEDFEW_OUTPUT_DIR; threads and paths do not change the name."""
     monkeypatch.setenv("FEDFEW_OUTPUT_DIR", str(tmp_path))
-    plan = tune.plans(tune.parse_args(["--algorithms", "fedavg", "--", "partition=pathological", "trainer.threads=1"]))
+    plan = tuning.plans(tune.parse_args(["--algorithms", "fedavg", "--", "partition=pathological", "trainer.threads=1"]))
     assert [p.out for p in plan] == [tmp_path / "tune" / "digits_partition-pathological"]
-    assert tune.plans(tune.parse_args(["--algorithms", "fedavg"]))[0].out == tmp_path / "tune" / "digits"
+    assert tuning.plans(tune.parse_args(["--algorithms", "fedavg"]))[0].out == tmp_path / "tune" / "digits"
     # a study in the folder every setup used before is pointed to, and nothing is started before the note
     (tmp_path / "tune" / "digits" / "fedavg").mkdir(parents=True)
     (tmp_path / "tune" / "digits" / "fedavg" / "study.db").write_bytes(b"")
-    from fedfew.experiments.run_folders import older_setup_folder
+    from fedfew.core.run_folders import older_setup_folder
 
     new = tmp_path / "tune" / "digits_partition-pathological"
     assert older_setup_folder("tune", "digits", new, "*/study.db") == tmp_path / "tune" / "digits"
     assert older_setup_folder("tune", "digits", tmp_path / "tune" / "digits", "*/study.db") is None
-    from fedfew.experiments.run_folders import older_setup_note
+    from fedfew.core.run_folders import older_setup_note
 
     assert older_setup_note("tune", "digits", new) == (
         f"note: {tmp_path / 'tune' / 'digits'} holds a tune made before the default folder named its setup; "
@@ -170,7 +177,7 @@ def test_every_algorithm_has_a_search_space_that_its_config_holds():
     for alg in ALGORITHMS.names():
         overrides = ["partition=clustered"] if alg == "oracle" else ["partition=dirichlet"]
         cfg = compose_config(f"algorithm={alg}", "~tuned", *overrides)
-        dims = [d.resolve(cfg) for d in tune.load_space(alg)]
+        dims = [d.resolve(cfg) for d in search_space.load_space(alg)]
         lr = next(d for d in dims if d.key == "optim.lr")   # every method searches the local lr, the same way
         assert (lr.low, lr.high, lr.log) == (pytest.approx(0.2 * cfg.dataset.lr), pytest.approx(8 * cfg.dataset.lr), True)
         for d in dims:
@@ -203,12 +210,12 @@ def test_study_is_reproducible_resumes_and_writes_a_preset(tmp_path, fake, monke
     # sampled trials and the config defaults on seed 0, then the best confirmed on seed 1 and run at 1.5x its lr
     assert len(first) == (5 + 1 + 2) + (3 + 1 + 2)
     assert sum("/seed1" in line for line in first) == 2 and sum("_lr1.5x/seed0" in line for line in first) == 2
-    best_of_3 = tune.choice(load(parts)).label
+    best_of_3 = studies.choice(load(parts)).label
     assert tune.main(argv(parts, 5), command=command) == 0          # resumes: 2 more trials only
-    new_best = tune.choice(load(parts)).label != best_of_3           # then its confirmation and margin runs
+    new_best = studies.choice(load(parts)).label != best_of_3           # then its confirmation and margin runs
     assert len(log.read_text().splitlines()) == len(first) + 2 + (2 if new_best else 0)
     assert trial_values(parts) == trial_values(whole)               # as if never interrupted
-    assert tune.choice(load(parts)) == tune.choice(load(whole))
+    assert studies.choice(load(parts)) == studies.choice(load(whole))
     *values, defaults = trial_values(whole)
     assert len(values) == 5 and len({v["optim.lr"] for v, _ in values}) == 5
     assert defaults == pytest.approx(1.0 - abs(math.log(0.3 / 0.1)) / 10 - 0.01)   # lr 0.3: the config's
@@ -221,21 +228,21 @@ def test_study_is_reproducible_resumes_and_writes_a_preset(tmp_path, fake, monke
                    f"# best validation score: {score:.4f}", f"the config defaults scored {defaults:.4f}",
                    "partition.val_fraction=0.2", "never read", "# tuned for: digits, dirichlet (alpha=0.5), M=4 clients, 3 rounds"):
         assert needle in text
-    assert tune.preset_overrides(whole / "presets" / "digits_fedavg.yaml") == [f"optim.lr={chosen['optim.lr']}"]
-    edges = tune.range_edges([tune.Dimension("optim.lr", 0.06, 2.4, log=True)], chosen)
+    assert presets.preset_overrides(whole / "presets" / "digits_fedavg.yaml") == [f"optim.lr={chosen['optim.lr']}"]
+    edges = preset_files.range_edges([search_space.Dimension("optim.lr", 0.06, 2.4, log=True)], chosen)
     assert ("# at a range edge, the range may bind: " in text) == bool(edges)    # said exactly when it is so
     # another thread count or logger is the same study (JOBS=1 after JOBS=2): resumed, nothing rerun
     before = len(log.read_text().splitlines())
     assert tune.main([*argv(whole, 5), "trainer.threads=2"], command=command) == 0
     assert len(log.read_text().splitlines()) == before
     study = load(whole)  # tune.md still sums the trials of the earlier invocation that ran them
-    summed = sum(t.user_attrs["wall_s"] for t in tune.completed(study)) + study.user_attrs["defaults"]["wall_s"]
+    summed = sum(t.user_attrs["wall_s"] for t in studies.completed(study)) + study.user_attrs["defaults"]["wall_s"]
     assert summed > 0 and f"summed over every invocation: {summed / 60:.1f} min (1 at a time)" in (whole / "tune.md").read_text()
     # the same folder with other settings is refused, not mixed
     with pytest.raises(TuneError, match="other settings"):
         tune.main(argv(whole, 5, "--val-fraction", "0.3"), command=command)
     # --install auto with setup-changing overrides: conf/tuned/<dataset><setup>/, matched by that setup only
-    monkeypatch.setattr(tune, "TUNED_DIR", tmp_path / "tuned")
+    monkeypatch.setattr(presets, "TUNED_DIR", tmp_path / "tuned")
     installing = argv(whole, 5)
     installing[installing.index("--install") + 1] = "auto"
     assert tune.main(installing, command=command) == 0 and len(log.read_text().splitlines()) == before
@@ -243,9 +250,9 @@ def test_study_is_reproducible_resumes_and_writes_a_preset(tmp_path, fake, monke
     assert installed.read_text() == (whole / "presets" / "digits_fedavg.yaml").read_text()
     assert not (tmp_path / "tuned" / "digits_fedavg.yaml").exists()      # the dataset's own preset is left alone
     runs = compose_config("dataset=digits", "algorithm=fedavg", "partition=dirichlet", "num_clients=4", "rounds=3")
-    assert tune.preset_matches(installed, runs)
-    assert not tune.preset_matches(installed, compose_config("dataset=digits", "algorithm=fedavg", "partition=dirichlet"))
-    assert compare.preset_for("digits", "fedavg", None, [], runs)[1] == str(installed)
+    assert presets.preset_matches(installed, runs)
+    assert not presets.preset_matches(installed, compose_config("dataset=digits", "algorithm=fedavg", "partition=dirichlet"))
+    assert comparison.preset_for("digits", "fedavg", None, [], runs)[1] == str(installed)
 
 
 def test_a_tune_resumes_from_another_data_folder_with_the_same_data_only(tmp_path, fake):
@@ -408,7 +415,7 @@ def test_parallel_trials_finish_the_same_budget(tmp_path, fake, monkeypatch):
 def test_a_free_worker_takes_the_earliest_listed_algorithms_run_and_stop_starts_nothing():
     import threading
 
-    slots = tune.Slots(2)
+    slots = studies.Slots(2)
     started, gates = [], {name: threading.Event() for name in ("x", "y", "a", "b", "c")}
     lock = threading.Condition()
 
@@ -442,25 +449,25 @@ def test_installed_presets_apply_and_record_their_provenance():
     """Every preset in conf/tuned (and in its setup folders) records how it was made, applies its values,
     and was tuned for the setup it is installed for: the dataset's default one at the top, the setup of
     its extra overrides in conf/tuned/<dataset><setup>/ (selected with tuned=<folder>/<name>)."""
-    presets = sorted(tune.TUNED_DIR.glob("*.yaml")) + sorted(tune.TUNED_DIR.glob("*/*.yaml"))
-    assert presets, "conf/tuned holds the presets of make tune"
-    for path in presets:
+    installed = sorted(presets.TUNED_DIR.glob("*.yaml")) + sorted(presets.TUNED_DIR.glob("*/*.yaml"))
+    assert installed, "conf/tuned holds the presets of make tune"
+    for path in installed:
         text = path.read_text()
         for needle in ("# search space:", "# trials:", "# made by:", "# command:", "# best validation score:",
                        "# tuned for:"):
             assert needle in text, f"{path.name} lacks {needle!r}"
         dataset, algorithm = path.stem.split("_", 1)
-        setup = tune.setup_changing(tune.preset_header(path)["extra overrides"].replace("(none)", "").split())
-        folder = path.parent.relative_to(tune.TUNED_DIR)
-        assert folder == tune.setup_presets_dir(dataset, setup).relative_to(tune.TUNED_DIR), path
+        setup = presets.setup_changing(presets.preset_header(path)["extra overrides"].replace("(none)", "").split())
+        folder = path.parent.relative_to(presets.TUNED_DIR)
+        assert folder == tuning.setup_presets_dir(dataset, setup).relative_to(presets.TUNED_DIR), path
         choice = [] if folder == Path(".") else [f"tuned={folder}/{path.stem}"]
         cfg = compose_config(f"dataset={dataset}", f"algorithm={algorithm}", *setup, *choice, tuned=True)
         plain = compose_config(f"dataset={dataset}", f"algorithm={algorithm}", *setup, "~tuned")
-        assert tune.preset_matches(path, plain), f"{path} is not tuned for the setup it is installed for"
-        for override in tune.preset_overrides(path):               # optim.lr included: the preset comes after _self_
+        assert presets.preset_matches(path, plain), f"{path} is not tuned for the setup it is installed for"
+        for override in presets.preset_overrides(path):               # optim.lr included: the preset comes after _self_
             key, value = override.split("=", 1)
             assert _same(OmegaConf.select(cfg, key), value), f"{path.name}: {key} is not {value}"
-        if "optim.lr" in dict(o.split("=", 1) for o in tune.preset_overrides(path)):
+        if "optim.lr" in dict(o.split("=", 1) for o in presets.preset_overrides(path)):
             assert plain.optim.lr == plain.dataset.lr                # ~tuned: the config without the preset
 
 
@@ -532,24 +539,24 @@ def test_tuning_never_reads_the_test_labels(tmp_path):
 
 
 def test_a_chosen_value_at_a_range_edge_is_reported():
-    lr = tune.Dimension("optim.lr", 0.06, 2.4, log=True)
-    epochs = tune.Dimension("algorithm.head_epochs", 1, 10, kind="int")
-    alpha = tune.Dimension("algorithm.alpha", 0.1, 0.9)
-    pick = tune.Dimension("model.name", kind="categorical", choices=("mlp", "cnn"))
+    lr = search_space.Dimension("optim.lr", 0.06, 2.4, log=True)
+    epochs = search_space.Dimension("algorithm.head_epochs", 1, 10, kind="int")
+    alpha = search_space.Dimension("algorithm.alpha", 0.1, 0.9)
+    pick = search_space.Dimension("model.name", kind="categorical", choices=("mlp", "cnn"))
     assert lr.position(0.3) == pytest.approx(math.log(5) / math.log(40))          # log scale: 0.44
     assert alpha.position(0.12) == pytest.approx(0.025) and epochs.position(10) == 1.0
     space = [lr, epochs, alpha, pick]
-    assert tune.range_edges(space, {"optim.lr": 0.3, "algorithm.head_epochs": 5, "algorithm.alpha": 0.5,
+    assert preset_files.range_edges(space, {"optim.lr": 0.3, "algorithm.head_epochs": 5, "algorithm.alpha": 0.5,
                                     "model.name": "cnn"}) == []
-    assert tune.range_edges(space, {"optim.lr": 2.2, "algorithm.head_epochs": 1, "algorithm.alpha": 0.12}) == [
+    assert preset_files.range_edges(space, {"optim.lr": 2.2, "algorithm.head_epochs": 1, "algorithm.alpha": 0.12}) == [
         "optim.lr=2.2 (top tenth of [0.06, 2.4], log scale)",                    # ln(2.2/0.06)/ln(40) = 0.98
         "algorithm.head_epochs=1 (bottom tenth of [1, 10])",
         "algorithm.alpha=0.12 (bottom tenth of [0.1, 0.9])"]
-    assert tune.range_edges([lr], {"optim.lr": 3.0}) == ["optim.lr=3.0 (outside [0.06, 2.4])"]  # a config default
-    assert tune.range_edges([lr], {}) == []                                      # a key the preset does not set
+    assert preset_files.range_edges([lr], {"optim.lr": 3.0}) == ["optim.lr=3.0 (outside [0.06, 2.4])"]  # a config default
+    assert preset_files.range_edges([lr], {}) == []                                      # a key the preset does not set
     # config defaults that are no number in the range: apfl's alpha_lr: null (= optim.lr), fedprox's mu_prox: 0
-    assert tune.range_edges([tune.Dimension("algorithm.alpha_lr", 0.01, 1.0, log=True)], {"algorithm.alpha_lr": None}) == []
-    assert tune.range_edges([tune.Dimension("algorithm.mu_prox", 0.001, 1.0, log=True)], {"algorithm.mu_prox": 0}) == [
+    assert preset_files.range_edges([search_space.Dimension("algorithm.alpha_lr", 0.01, 1.0, log=True)], {"algorithm.alpha_lr": None}) == []
+    assert preset_files.range_edges([search_space.Dimension("algorithm.mu_prox", 0.001, 1.0, log=True)], {"algorithm.mu_prox": 0}) == [
         "algorithm.mu_prox=0 (outside [0.001, 1])"]
 
 
@@ -570,9 +577,9 @@ def test_a_diverged_trial_is_a_failed_trial_and_never_chosen(tmp_path, fake, mon
     diverged = [t for t in trials if t.user_attrs.get("diverged")]
     lrs = {t.user_attrs["values"]["optim.lr"] for t in diverged}
     assert diverged and all(t.state == TrialState.FAIL for t in diverged) and min(lrs) > 0.2
-    assert len(tune.finished(load(out))) == 6                                     # the budget: 6 trials in all
+    assert len(studies.finished(load(out))) == 6                                     # the budget: 6 trials in all
     assert load(out).user_attrs["defaults"]["value"] is None                      # lr 0.3 diverged too
-    chosen = tune.choice(load(out))
+    chosen = studies.choice(load(out))
     assert chosen.values["optim.lr"] <= 0.2 and chosen.value < 0.99
     assert set(chosen.confirmed) == {"1"} and (chosen.margin["diverged"] is not None) == (chosen.margin["lr"] > 0.2)
     text = (out / "presets" / "digits_fedavg.yaml").read_text()
@@ -589,9 +596,9 @@ def test_the_best_candidate_is_confirmed_on_a_second_seed_and_its_margin_reporte
     monkeypatch.setenv("FAKE_NAN_SEED", "1")
     out = tmp_path / "out"
     assert tune.main(argv(out, 6), command=command) == 0
-    ranked = tune.ranked_candidates(load(out))
+    ranked = studies.ranked_candidates(load(out))
     assert ranked[0][2] == 0.99 - 0.01  # a diverging lr ranks first on seed 0, which cannot see it
-    chosen = tune.choice(load(out))
+    chosen = studies.choice(load(out))
     lr = chosen.values["optim.lr"]
     assert lr <= 0.2 and chosen.rejected                                          # the first candidates diverged on seed 1
     assert set(chosen.confirmed) == {"1"}

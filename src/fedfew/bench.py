@@ -4,7 +4,7 @@ Writes ``bench.json`` (every figure) and ``bench.md`` (tables) atomically into `
 (default ``outputs/bench``). Every measurement runs in its own subprocess, so each reports
 its own peak host memory (``ru_maxrss``) and, on a GPU, peak device memory.
 
-What is measured (FedFew rounds through :class:`fedfew.core.simulation.Simulation`, the real round
+What is measured (FedFew rounds through :class:`fedfew.simulator.simulation.Simulation`, the real round
 loop with aggregation and server step):
 
 * **throughput** -- the paper's configs, ``engine=loop`` and ``engine=vmap`` in the same run:
@@ -373,7 +373,7 @@ def case_round(spec: dict) -> dict:
 
 
 def build_case_sim(spec: dict, run_dir: Path, data=None):
-    """The :class:`~fedfew.core.simulation.Simulation` of one bench case.
+    """The :class:`~fedfew.simulator.simulation.Simulation` of one bench case.
 
     Args:
         spec: ``device`` (cpu | cuda), ``dataset``, ``M``, ``K``, ``engine``, optional
@@ -385,7 +385,7 @@ def build_case_sim(spec: dict, run_dir: Path, data=None):
         run_dir: the simulation's run folder.
         data: prebuilt :class:`~fedfew.data.base.FederatedData` (``spec["data"]`` ignored).
     """
-    from fedfew.core.simulation import Simulation
+    from fedfew.simulator.simulation import Simulation
 
     overrides = [
         f"dataset={spec['dataset']}", f"num_clients={spec['M']}", f"algorithm.K={spec['K']}", "local_epochs=1",
@@ -411,7 +411,7 @@ def build_case_sim(spec: dict, run_dir: Path, data=None):
 
 
 def _participants(sim, rnd: int) -> list[int]:
-    from fedfew.core.simulation import select_participants
+    from fedfew.simulator.simulation import select_participants
 
     return select_participants(sim.cfg, rnd, sim.num_clients)
 
@@ -526,7 +526,7 @@ def devices_run(data_dir: str | None, devices: int, rounds: int, participants: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fedfew.experiments.run_folders import python_command
+    from fedfew.core.run_folders import python_command
 
     parser = argparse.ArgumentParser(prog=python_command("fedfew.bench"), description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true", help="the paper's sizes (default on a GPU)")
@@ -1588,7 +1588,7 @@ def gpu_check_run(plan: dict) -> int:
     end = float(plan["started"]) + budget
     work = Path(plan["work"]) if plan.get("work") else None
     ctx = CheckContext(mode, sizes, work, bool(plan.get("use_data")))
-    import fedfew.core.simulation  # noqa: F401 - the heavy imports (lightning) before the driver starts the data process
+    import fedfew.simulator.simulation  # noqa: F401 - the heavy imports (lightning) before the driver starts the data process
     _emit("machine", "done", result=machine_info(device), mode=mode, end=end, budget_s=budget)
     sections = list(plan["sections"])
     # tests of the driver's recovery: FEDFEW_GPU_CHECK_FAULT=<section>:crash ends this process there

@@ -4,7 +4,7 @@ training, in a few seconds.
 
 The same steps, in the same order: command-line keys that no config defines
 (:func:`fedfew.config.overrides.check_overrides`), Hydra's composition of ``conf/config.yaml`` with the
-overrides (unknown groups and options, bad syntax), then :func:`fedfew.train.preflight` (the value
+overrides (unknown groups and options, bad syntax), then :func:`fedfew.experiments.training.preflight` (the value
 rules of :mod:`fedfew.config.rules`, the dataset/model/algorithm names, and an explicit ``resume=<path>``'s
 checkpoint and its config). ``resume=auto`` is checked by the job itself: its run folder does not
 exist yet. Then :func:`check_data`: the dataset's files under ``data_dir`` exist (found as the loader
@@ -37,7 +37,7 @@ def check(overrides: list[str]) -> DictConfig:
             a checkpoint.
     """
     from fedfew.config.overrides import check_overrides
-    from fedfew.train import preflight
+    from fedfew.experiments.training import preflight
 
     check_overrides(list(overrides))
     cfg = compose(overrides)
@@ -60,7 +60,7 @@ def check_data(cfg: DictConfig) -> list[Path]:
     import importlib
 
     from fedfew.data.base import DataNotFoundError, resolve_data_dir
-    from fedfew.experiments.run_folders import python_command
+    from fedfew.core.run_folders import python_command
 
     name = cfg.dataset.name
     data_dir = resolve_data_dir(cfg.data_dir)

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from fedfew.core.io import atomic_write_text
-from fedfew.experiments.run_folders import python_command
+from fedfew.core.run_folders import python_command
 
 #: the notebook of the checkout (editable install: src/fedfew -> repository root)
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "analysis.ipynb"

@@ -62,7 +62,7 @@ def alpha_step(alpha: float, alpha_lr: float, grad_alpha: float) -> float:
 
     A NaN gradient (the personal model diverged) leaves alpha as it was: Python's ``max(0.0, nan)``
     is 0.0, so clipping it would log alpha = 0 as if the client had chosen the global model. The
-    client's divergence is reported where it is scored (fedfew.experiments.run_folders.diverged_clients). An infinite
+    client's divergence is reported where it is scored (fedfew.core.run_folders.diverged_clients). An infinite
     gradient is a step past a bound and is clipped to it.
     """
     if math.isnan(grad_alpha):

@@ -1,6 +1,6 @@
 """The interface every federated algorithm implements (FedFew and the baselines).
 
-A round, as driven by :mod:`fedfew.core.simulation`::
+A round, as driven by :mod:`fedfew.simulator.simulation`::
 
     alg.begin_round(round, participants)
     for client in this rank's participants:        # rows keyed by client id
@@ -35,16 +35,41 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from omegaconf import OmegaConf
 from omegaconf import DictConfig
 from torch import nn
 
 from fedfew.data.base import ClientSplit, FederatedData
-from fedfew.reporting.collapse_watch import Hint
 from fedfew.core.model_set import KModelSet, state_numel
 from fedfew.core.nonfinite import NonFiniteLog
 
 if TYPE_CHECKING:  # Lightning's import takes ~3 s (torchmetrics, transformers): a Flower client never needs it
     from lightning.fabric import Fabric
+
+
+@dataclass(frozen=True)
+class Hint:
+    """A config change that may help a collapsed run, named in the warning.
+
+    key: the dotted run-config key (``algorithm.normalize``); value: the recommended value, or
+    None for a change in a direction, said by ``change`` (``"a larger"``); why: what it does
+    (optional). A hint with a value is left out of a run that already has that value.
+    """
+
+    key: str
+    value: Any = None
+    why: str = ""
+    change: str = ""
+
+    def needed(self, cfg) -> bool:
+        """Whether the hint tells ``cfg``'s run something: it is a change in a direction, or the
+        run's value of ``key`` is not the recommended one."""
+        return self.value is None or OmegaConf.select(cfg, self.key, default=None) != self.value
+
+    def __str__(self) -> str:
+        value = str(self.value).lower() if isinstance(self.value, bool) else self.value
+        head = f"{self.change} {self.key}" if self.value is None else f"{self.key}={value}"
+        return f"{head} ({self.why})" if self.why else head
 
 
 @dataclass
@@ -103,7 +128,7 @@ class Algorithm:
     row_shapes: dict[str, Callable[[int], tuple[int, ...]]] = {}
 
     #: whether :class:`fedfew.reporting.collapse_watch.CollapseWatch` warns when a server model stops
-    #: serving clients (few-for-many methods); the keys that help (:class:`fedfew.reporting.collapse_watch.Hint`,
+    #: serving clients (few-for-many methods); the keys that help (:class:`Hint`,
     #: each named only where the run has not already set it) and a text after them, in the warning
     watch_collapse: bool = False
     collapse_keys: tuple[Hint, ...] = ()

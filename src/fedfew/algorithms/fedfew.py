@@ -61,7 +61,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms.base import Algorithm, Context
 from fedfew.stch.auto_k import AutoK
 from fedfew.data.base import ClientSplit
-from fedfew.reporting.collapse_watch import Hint
+from fedfew.algorithms.base import Hint
 from fedfew.engines import ENGINES
 from fedfew.engines.base import ClientJob
 from fedfew.core.local_training import evaluate_model

@@ -58,7 +58,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging, loss_row, proximal_term
 from fedfew.algorithms._updates import check_number, finite_or_excluded
 from fedfew.data.base import ClientSplit, FederatedData
-from fedfew.reporting.collapse_watch import Hint
+from fedfew.algorithms.base import Hint
 from fedfew.core.model_set import assign_state_, flat_state, state_numel, unflatten_like
 
 SCORES = ("personal", "centres")

@@ -26,7 +26,7 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging
 from fedfew.data.base import ClientSplit
-from fedfew.reporting.collapse_watch import Hint
+from fedfew.algorithms.base import Hint
 from fedfew.core.local_training import evaluate_model
 from fedfew.core.model_set import state_numel
 

@@ -163,7 +163,7 @@ def check_overrides(overrides: list[str], config_name: str = "config", config_di
     ignored_text = ("config key(s) that the chosen settings ignore, so they would change nothing (and their values "
                     "are never checked):\n" + "\n".join(f"  {line}" for line in ignored.values())) if ignored else ""
     if problems:
-        from fedfew.experiments.run_folders import python_command
+        from fedfew.core.run_folders import python_command
 
         raise UnknownKeyError(
             "unknown config key(s); no config defines them, so they would change nothing:\n"

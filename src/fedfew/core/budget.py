@@ -5,7 +5,7 @@ Communication is counted per participating client per round from the algorithm's
 K models down and K deltas up, IFCA 1 up and K down, FedRep the body, Local 0, ...) and
 converted to bytes with the element size of the model's parameters (:func:`bytes_per_parameter`:
 4 for float32). The number of participants per round is fixed by ``participation`` /
-``clients_per_round`` (:func:`fedfew.core.simulation.select_participants` draws the same count every
+``clients_per_round`` (:func:`fedfew.simulator.simulation.select_participants` draws the same count every
 round), so the bytes of round r are the same for every r and the cumulative bytes after r
 rounds are r times them.
 

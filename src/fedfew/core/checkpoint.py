@@ -12,7 +12,7 @@ second Ctrl-C aborts at once (KeyboardInterrupt, no new checkpoint).
 
 A checkpoint also holds the run's resolved config. A resume compares it with the new run's
 (:func:`check_resume_config`) and refuses any difference in a key that changes results, naming
-every such key with both values; only the keys of :data:`RESUME_FREE_KEYS` may differ, and
+every such key with both values; only the keys that :mod:`fedfew.core.keys` marks free on resume may differ, and
 ``rounds`` only upwards with ``resume_extend_rounds=true`` (docs/resume.md).
 """
 from __future__ import annotations
@@ -27,22 +27,10 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from fedfew.core.io import atomic_torch_save
+from fedfew.core.keys import RESUME_FREE_KEYS, free_on_resume
 
 CHECKPOINT_NAME = "last.ckpt"
 
-#: config keys (and subtrees) a resumed run may change, because they never change its results:
-#: whether/where to resume, how often checkpoints are written, whether models.pt is written,
-#: where the data files live (the partition hash still has to match), the experiment loggers and
-#: plots, torch's CPU threads, the dataset cache / in-memory choice (batches are identical), and
-#: how many processes share the clients (sharding gives the one-process result up to float
-#: rounding of the sums), the collapse warning's thresholds, whether a non-finite loss stops the run
-#: (a run that finishes is the same either way), and Hydra's own settings.
-#: ``dataset.rounds`` only feeds ``rounds``, which is checked itself (see ``resume_extend_rounds``).
-RESUME_FREE_KEYS = (
-    "resume", "resume_extend_rounds", "checkpoint_every", "save_models", "data_dir", "logger",
-    "trainer.threads", "trainer.devices", "trainer.num_nodes", "trainer.strategy",
-    "dataset.cache", "dataset.in_memory", "dataset.rounds", "collapse", "fail_on_nonfinite", "hydra",
-)
 #: keys added to the config since checkpoints were first written, with the value that does what
 #: fedfew did before: a checkpoint without the key counts as having that value (so an upgrade
 #: does not make every saved run unresumable)
@@ -141,7 +129,7 @@ def flatten_config(cfg: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _free(key: str) -> bool:
-    return any(key == free or key.startswith(free + ".") for free in RESUME_FREE_KEYS)
+    return free_on_resume(key)
 
 
 def _show(value: Any) -> str:
@@ -158,7 +146,7 @@ def check_resume_config(state: Mapping[str, Any], cfg: DictConfig | Mapping[str,
     ``resume_extend_rounds=true``; it can never fall below the checkpoint's round.
 
     Args:
-        state: a checkpoint (:meth:`fedfew.core.simulation.Simulation.state_dict`): ``config`` (the
+        state: a checkpoint (:meth:`fedfew.simulator.simulation.Simulation.state_dict`): ``config`` (the
             resolved config of the run that wrote it) and ``round``.
         cfg: the new run's config.
         source: how the message names the checkpoint (its path).

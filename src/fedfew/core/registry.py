@@ -82,7 +82,7 @@ def unknown_name(kind: str, name: str, available: Iterable[str]) -> str:
 
 # -- what the sources say, without importing them ------------------------------------------------
 # Importing an implementation pulls in torch and Lightning (seconds); the checks that run before
-# training (fedfew.train.preflight, fedfew.config.rules.validate_config) read the sources instead, by the
+# training (fedfew.experiments.training.preflight, fedfew.config.rules.validate_config) read the sources instead, by the
 # project's rule that ``name`` is implemented in ``<package>/<name>.py`` and registered there with
 # ``register("<name>")``.
 

@@ -2,7 +2,7 @@
 from the data a new invocation would read.
 
 A run is the same experiment as another when their configs match up to keys that do not change
-results (:data:`fedfew.experiments.run_folders.RESULT_NEUTRAL`, ``data_dir`` among them: it is where the files
+results (:data:`fedfew.core.keys.RESULT_NEUTRAL`, ``data_dir`` among them: it is where the files
 lie, not what they hold) **and** they read the same data. The data is identified by
 :func:`data_fingerprint`: a sha256 of the dataset as its loader returns it (every sample's
 input or text, its label, its official-split mark and natural group, plus the normalisation of
@@ -13,7 +13,7 @@ Hugging Face copy) give one fingerprint; a changed label, text or pixel gives an
 Every run records it: ``results.json`` and its checkpoints hold ``data_fingerprint`` (beside
 ``partition_hash``, the hash of the client index sets, which says which samples each client
 holds but not what they contain). ``make compare`` and ``make tune`` check a run folder before
-reusing it (:class:`DataCheck`, :func:`fedfew.experiments.run_folders.data_mismatch`); a run made before the
+reusing it (:class:`DataCheck`, :func:`fedfew.core.run_folders.data_mismatch`); a run made before the
 fingerprint was recorded is checked by its ``partition_hash``, recomputed on the new data.
 """
 from __future__ import annotations

@@ -537,7 +537,7 @@ def partition_clustered(
 ) -> tuple[np.ndarray, int, np.ndarray]:
     """Clients in G known groups (``partition=clustered``; IFCA's rotated-MNIST construction).
 
-    Client i belongs to group :func:`client_groups`\ (M, G)[i]; the clients of group g split the
+    Client i belongs to group ``client_groups(M, G)[i]``; the clients of group g split the
     samples of group g (``groups == g``, made by :func:`fedfew.data.groups.make_groups`, which
     also applies each group's transform) with the scheme ``cfg.within`` (iid, dirichlet or
     pathological, with that scheme's keys). Each sample goes to a client of its own group.
@@ -803,3 +803,22 @@ def partition_summary(clients: list[ClientSplit], targets: np.ndarray, num_class
                    "n_unassigned": int(len(targets) - assigned), "n_train": int(nt),
                    "n_test": int(ne), "n_val": int(nv), "label_counts": [int(x) for x in total]},
     }
+
+
+def partition_scheme(partition: Mapping[str, Any]) -> str:
+    """The partition scheme with the keys that shaped it, e.g. ``dirichlet (alpha=0.5)``,
+    ``pathological (classes_per_client=2)`` or ``clustered (4 groups, rotate, split; within iid)``.
+
+    Args:
+        partition: the ``partition`` config group (a dict or DictConfig).
+    """
+    name = partition.get("name")
+    label_keys = {"dirichlet": ("alpha",), "pathological": ("classes_per_client",)}
+    if name == "clustered":
+        within = partition.get("within", "iid")
+        inner = ", ".join(f"{k}={partition[k]}" for k in label_keys.get(within, ()) if partition.get(k) is not None)
+        detail = (f"{partition.get('groups')} groups, {partition.get('group_transform')}, "
+                  f"{partition.get('group_data')}; within {within}{f' ({inner})' if inner else ''}")
+    else:
+        detail = ", ".join(f"{k}={partition[k]}" for k in label_keys.get(name, ()) if partition.get(k) is not None)
+    return f"{name}{f' ({detail})' if detail else ''}"

@@ -6,12 +6,12 @@ pre-empted node, Ctrl-C), a finished run is reused, and since a run written by t
 saves ``checkpoints/last.ckpt`` every :data:`CHECKPOINT_EVERY` rounds, an unfinished one resumes
 from its last checkpoint on the next invocation instead of starting again at round 1. A resumed
 run gives the figures of an uninterrupted one (:mod:`fedfew.core.checkpoint`; ``checkpoint_every``
-and ``resume`` never change results, :data:`fedfew.experiments.run_folders.RESULT_NEUTRAL`). The checkpoint is
+and ``resume`` never change results, :data:`fedfew.core.keys.RESULT_NEUTRAL`). The checkpoint is
 deleted once the run has written ``results.json`` (an AG News Ditto checkpoint, 21 TextCNNs,
 is about 0.25 GB), unless the user set ``checkpoint_every`` themselves.
 
 A run folder is picked up only when it was made with the same overrides, up to those that do
-not change results (:func:`fedfew.experiments.run_folders.result_overrides`); the callers decide what to do with
+not change results (:func:`fedfew.core.run_folders.result_overrides`); the callers decide what to do with
 one that was not (compare refuses, the tune starts the trial afresh).
 
 Two tools never write into one folder at once: each holds :data:`LOCK_FILE` of its output folder
@@ -90,8 +90,8 @@ def exclusive(folder: Path, tool: str) -> Iterator[None]:
 
 def check_not_training(run_dir: Path) -> None:
     """Raise :class:`Busy` when a live process on this host trains ``run_dir``
-    (:data:`fedfew.experiments.run_folders.PID_FILE`), e.g. a run whose tool was killed with SIGKILL."""
-    from fedfew.experiments.run_folders import live_trainer
+    (:data:`fedfew.core.run_folders.PID_FILE`), e.g. a run whose tool was killed with SIGKILL."""
+    from fedfew.core.run_folders import live_trainer
 
     holder = live_trainer(run_dir)
     if holder:
@@ -124,7 +124,7 @@ def progress(run_dir: Path, overrides: Sequence[str]) -> str:
         overrides that change results: another experiment's). Folders without a record of their
         overrides count as this run's.
     """
-    from fedfew.experiments.run_folders import result_overrides
+    from fedfew.core.run_folders import result_overrides
 
     run_dir = Path(run_dir)
     if (run_dir / RESULTS).exists():

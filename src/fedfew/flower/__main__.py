@@ -17,7 +17,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from fedfew.experiments.run_folders import register_resolvers
+from fedfew.core.run_folders import register_resolvers
 
 register_resolvers()
 _OPTIONS = {"round_timeout": 0.0, "workers": 0}
@@ -72,9 +72,9 @@ def simulate(cfg: DictConfig, run_dir: Path, *, workers: int = 0, round_timeout:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from fedfew.train import SetupError, _preset, _quiet_console, preflight
+    from fedfew.experiments.training import SetupError, preflight, preset_record, quiet_console
 
-    _quiet_console()
+    quiet_console()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         preflight(cfg, run_dir)
@@ -83,7 +83,7 @@ def main(cfg: DictConfig) -> None:
 
             torch.set_num_threads(int(cfg.trainer.threads))
         simulate(cfg, run_dir, workers=int(_OPTIONS["workers"]), round_timeout=float(_OPTIONS["round_timeout"]),
-                 preset=_preset(cfg))
+                 preset=preset_record(cfg))
     except (ValueError, FileNotFoundError, SetupError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

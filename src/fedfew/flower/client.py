@@ -2,7 +2,7 @@
 
 A SuperNode serves one client: ``partition-id`` (and ``num-partitions``) in its node config
 name it. On each message it builds (or, in Flower's simulation engine, reuses) a
-:class:`ClientRuntime`: a :class:`fedfew.core.simulation.Simulation` over a FederatedData in which
+:class:`ClientRuntime`: a :class:`fedfew.simulator.simulation.Simulation` over a FederatedData in which
 only its own client holds samples (:mod:`fedfew.flower.partitions`), so the algorithm object,
 the K-model set, the local training and the evaluation are the simulator's, unchanged.
 
@@ -20,7 +20,7 @@ Messages (``flwr.app.Message``; payloads: :mod:`fedfew.flower.records`):
   in client order into its own accumulators (:mod:`fedfew.flower.server`), which is what the
   simulator's one process does, so the sums are the same bit for bit.
 - ``evaluate``: the broadcast -> the client picks its model among its candidates and is scored,
-  as :func:`fedfew.core.evaluation.evaluate_clients` does for it -> its row of the evaluation table.
+  as :func:`fedfew.simulator.evaluation.evaluate_clients` does for it -> its row of the evaluation table.
 
 Per-client state (personal models, heads, BatchNorm statistics under FedBN, APFL's alpha_i)
 lives in Flower's ``Context.state`` (an ArrayRecord ``fedfew.host``) between messages: on the
@@ -131,7 +131,7 @@ def partition_for(cfg: DictConfig, pid: int, total: int | None, data_dir: str | 
 
 @dataclass(frozen=True)
 class OneCPUProcess:
-    """What a client's :class:`~fedfew.core.simulation.Simulation` reads of a Fabric when it runs
+    """What a client's :class:`~fedfew.simulator.simulation.Simulation` reads of a Fabric when it runs
     on the CPU in full precision: one process (rank 0 of 1) on the CPU. The client never calls
     the round loop, so no callbacks, loggers or collectives are needed."""
 
@@ -156,7 +156,7 @@ def client_fabric(cfg: DictConfig) -> Any:
 
 
 class ClientRuntime:
-    """A :class:`fedfew.core.simulation.Simulation` holding one client's partition (its algorithm,
+    """A :class:`fedfew.simulator.simulation.Simulation` holding one client's partition (its algorithm,
     K-model set, context), driven by the server's messages.
 
     Args:
@@ -165,7 +165,7 @@ class ClientRuntime:
     """
 
     def __init__(self, cfg: DictConfig, partition: Partition) -> None:
-        from fedfew.core.simulation import Simulation
+        from fedfew.simulator.simulation import Simulation
 
         if cfg.trainer.get("threads"):
             torch.set_num_threads(int(cfg.trainer.threads))
@@ -237,8 +237,8 @@ class ClientRuntime:
 
     def evaluate(self, content: RecordDict, state: RecordDict) -> RecordDict:
         """Selection and scores of this client under every protocol of the run (its row of
-        :func:`fedfew.core.evaluation.evaluate_clients`' table, as that function's per-client dict)."""
-        from fedfew.core.evaluation import EvalSettings, evaluate_clients
+        :func:`fedfew.simulator.evaluation.evaluate_clients`' table, as that function's per-client dict)."""
+        from fedfew.simulator.evaluation import EvalSettings, evaluate_clients
 
         rnd = self.receive(content, state)
         self.sim.ctx.my_clients = None

@@ -45,7 +45,7 @@ def serve(transport: Transport, cfg: DictConfig, run_dir: Path, *, round_timeout
         FederationError: clients without a node after ``connect_timeout``.
     """
     from fedfew.config.rules import validate_config
-    from fedfew.train import make_fabric
+    from fedfew.experiments.training import make_fabric
 
     validate_config(cfg)
     check_supported(cfg)

@@ -1,6 +1,6 @@
 """The fedfew ServerApp: the simulator's round loop with the client step replaced by messages.
 
-:class:`FlowerSimulation` is a :class:`fedfew.core.simulation.Simulation` (the same K-model set,
+:class:`FlowerSimulation` is a :class:`fedfew.simulator.simulation.Simulation` (the same K-model set,
 algorithm object, evaluation settings, callbacks, result files and budget) whose
 :meth:`~FlowerSimulation.run_round` and :meth:`~FlowerSimulation.evaluate` send Flower messages
 instead of calling ``client_update`` and ``evaluate_clients`` in process::
@@ -46,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedfew.data.base import ClientSplit, FederatedData
 from fedfew.flower.client import accumulators
 from fedfew.flower.records import from_record, pack, to_record
-from fedfew.core.simulation import Simulation, select_participants
+from fedfew.simulator.simulation import Simulation, select_participants
 
 #: algorithms the Flower app runs, and those it refuses with the reason
 REFUSED = {
@@ -304,8 +304,8 @@ def catalog(described: dict[int, dict[str, Any]], M: int) -> FederatedData:
 
 
 def table_row(entry: dict[str, Any]) -> torch.Tensor:
-    """One client's row of the evaluation table (:data:`fedfew.core.evaluation._COLUMNS`) from its
-    per-client dict (:func:`fedfew.core.evaluation.summarize`'s ``clients`` entry): counts are
+    """One client's row of the evaluation table (:data:`fedfew.simulator.evaluation._COLUMNS`) from its
+    per-client dict (:func:`fedfew.simulator.evaluation.summarize`'s ``clients`` entry): counts are
     recovered exactly (acc x n_test rounds back to the integer count)."""
     n = int(entry["n_test"])
     correct = round(entry["acc"] * n) if n else 0
@@ -316,7 +316,7 @@ def table_row(entry: dict[str, Any]) -> torch.Tensor:
 
 
 class FlowerSimulation(Simulation):
-    """A :class:`fedfew.core.simulation.Simulation` whose clients are Flower nodes (module docstring).
+    """A :class:`fedfew.simulator.simulation.Simulation` whose clients are Flower nodes (module docstring).
 
     Args:
         cfg: the run config. fabric: a Fabric with the run's callbacks. run_dir: the run folder.
@@ -381,9 +381,9 @@ class FlowerSimulation(Simulation):
 
     def evaluate(self, rnd: int) -> dict[str, Any]:
         """Every client picks its model and is scored on its node; the table and its summary are
-        :func:`fedfew.core.evaluation.summarize`'s, as in the simulator (clients that did not answer
+        :func:`fedfew.simulator.evaluation.summarize`'s, as in the simulator (clients that did not answer
         are left out of the table and named in ``summary.clients_missing``)."""
-        from fedfew.core.evaluation import OPTIMISTIC, best_round, summarize
+        from fedfew.simulator.evaluation import OPTIMISTIC, best_round, summarize
 
         content = self._broadcast(rnd, self.algorithm.state_dict(), [])
         replies = self.federation.exchange("evaluate", f"evaluation {rnd}", {c: content(c) for c in range(self.num_clients)})

@@ -342,7 +342,7 @@ class LoggerBridge:
 
 class ConsoleReport:
     """Progress on rank 0, and at the end the per-client table, the headline figures and where
-    the run is (:func:`print_client_table`, :func:`fedfew.experiments.run_folders.where_lines`; on interruption
+    the run is (:func:`print_client_table`, :func:`fedfew.core.run_folders.where_lines`; on interruption
     too).
 
     On a terminal (stderr): a rich progress bar over rounds (elapsed, ETA, loss, g, last mean
@@ -358,7 +358,7 @@ class ConsoleReport:
     logging per round (both averaged over the rounds since the previous line), ``eta``: the
     rounds left times the mean wall time per round so far.
 
-    While the rounds run, the run folder holds :data:`fedfew.experiments.run_folders.PID_FILE` (this process), so
+    While the rounds run, the run folder holds :data:`fedfew.core.run_folders.PID_FILE` (this process), so
     ``make runs`` tells a live run from a stopped one.
 
     Args:
@@ -387,7 +387,7 @@ class ConsoleReport:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         self.run_dir = Path(sim.run_dir)
-        from fedfew.experiments.run_folders import mark_running
+        from fedfew.core.run_folders import mark_running
 
         mark_running(self.run_dir)  # `make runs` tells a live run from a stopped one
         if self.plain is None:
@@ -451,7 +451,7 @@ class ConsoleReport:
             return
         if self.progress is not None:
             self.progress.stop()
-        from fedfew.experiments.run_folders import clear_running, where_lines
+        from fedfew.core.run_folders import clear_running, where_lines
 
         clear_running(sim.run_dir)
         print("\n".join(where_lines(sim.run_dir, finished=False)), flush=True)
@@ -460,7 +460,7 @@ class ConsoleReport:
         if sim.fabric.global_rank != 0:
             return
         self.progress.stop()
-        from fedfew.experiments.run_folders import clear_running
+        from fedfew.core.run_folders import clear_running
 
         clear_running(sim.run_dir)
         print_client_table(results, run_dir=sim.run_dir)
@@ -495,7 +495,7 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         f"sample-weighted {s['acc_weighted']:.4f}; majority-label baseline {s['majority_acc_mean']:.4f}",
         models_line(s),
     ]
-    from fedfew.experiments.run_folders import diverged_clients
+    from fedfew.core.run_folders import diverged_clients
 
     diverged = diverged_clients(results)
     if diverged:
@@ -532,7 +532,7 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
 def print_client_table(results: dict[str, Any], run_dir: str | Path | None = None) -> None:
     """Per-client table (size, chosen model, accuracy, majority baseline), the headline figures
     (:func:`summary_lines`) and, with ``run_dir``, where the run is and the commands that open
-    its notebook and plots (:func:`fedfew.experiments.run_folders.where_lines`)."""
+    its notebook and plots (:func:`fedfew.core.run_folders.where_lines`)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -546,7 +546,7 @@ def print_client_table(results: dict[str, Any], run_dir: str | Path | None = Non
     console.print(table)
     lines = summary_lines(results)
     if run_dir is not None:
-        from fedfew.experiments.run_folders import where_lines
+        from fedfew.core.run_folders import where_lines
 
         lines += where_lines(run_dir)
     for line in lines:  # whole lines (a path is never wrapped), no rich markup in paths

@@ -18,36 +18,10 @@ algorithm's ``collapse_hint`` text, and is kept in the run's ``summary.collapse_
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
-
-@dataclass(frozen=True)
-class Hint:
-    """A config change that may help a collapsed run, named in the warning.
-
-    key: the dotted run-config key (``algorithm.normalize``); value: the recommended value, or
-    None for a change in a direction, said by ``change`` (``"a larger"``); why: what it does
-    (optional). A hint with a value is left out of a run that already has that value.
-    """
-
-    key: str
-    value: Any = None
-    why: str = ""
-    change: str = ""
-
-    def needed(self, cfg) -> bool:
-        """Whether the hint tells ``cfg``'s run something: it is a change in a direction, or the
-        run's value of ``key`` is not the recommended one."""
-        return self.value is None or OmegaConf.select(cfg, self.key, default=None) != self.value
-
-    def __str__(self) -> str:
-        value = str(self.value).lower() if isinstance(self.value, bool) else self.value
-        head = f"{self.change} {self.key}" if self.value is None else f"{self.key}={value}"
-        return f"{head} ({self.why})" if self.why else head
 
 
 def collapse_advice(algorithm, cfg) -> str:

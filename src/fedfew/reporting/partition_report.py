@@ -20,18 +20,19 @@ from __future__ import annotations
 import io
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 from omegaconf import OmegaConf
 
 from fedfew.core.io import atomic_write_bytes, atomic_write_json
+from fedfew.data.partition import partition_scheme
 
 __all__ = ["PartitionReport", "build_report", "partition_line", "partition_scheme", "partition_table", "partition_title", "write_heatmap"]
 
 
 def build_report(sim) -> dict[str, Any]:
-    """``partition.json``'s content for a :class:`~fedfew.core.simulation.Simulation`."""
+    """``partition.json``'s content for a :class:`~fedfew.simulator.simulation.Simulation`."""
     from fedfew.data.federated import partition_seed
     from fedfew.data.partition import partition_summary
 
@@ -44,8 +45,6 @@ def build_report(sim) -> dict[str, Any]:
         "partition_hash": data.partition_hash,
         **summary,
     }
-
-
 
 
 def write_heatmap(report: dict[str, Any], path: str | Path) -> Path:
@@ -127,25 +126,6 @@ def partition_table(report: dict[str, Any], max_rows: int = 20):
         table.add_row(str(c["id"]), str(c["n_train"]), str(c["n_test"]), *((str(c["n_val"]),) if has_val else ()),
                       str(n_labels), _top_labels(c["label_counts"]))
     return table
-
-
-def partition_scheme(partition: Mapping[str, Any]) -> str:
-    """The partition scheme with the keys that shaped it, e.g. ``dirichlet (alpha=0.5)``,
-    ``pathological (classes_per_client=2)`` or ``clustered (4 groups, rotate, split; within iid)``.
-
-    Args:
-        partition: the ``partition`` config group (a dict or DictConfig).
-    """
-    name = partition.get("name")
-    label_keys = {"dirichlet": ("alpha",), "pathological": ("classes_per_client",)}
-    if name == "clustered":
-        within = partition.get("within", "iid")
-        inner = ", ".join(f"{k}={partition[k]}" for k in label_keys.get(within, ()) if partition.get(k) is not None)
-        detail = (f"{partition.get('groups')} groups, {partition.get('group_transform')}, "
-                  f"{partition.get('group_data')}; within {within}{f' ({inner})' if inner else ''}")
-    else:
-        detail = ", ".join(f"{k}={partition[k]}" for k in label_keys.get(name, ()) if partition.get(k) is not None)
-    return f"{name}{f' ({detail})' if detail else ''}"
 
 
 def partition_title(report: dict[str, Any]) -> str:

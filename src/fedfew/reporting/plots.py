@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m fedfew.reporting.plots RUN_DIR [ROUND ...]``: (re)draw the PNGs of a run."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        from fedfew.experiments.run_folders import python_command
+        from fedfew.core.run_folders import python_command
 
         print(f"usage: {python_command('fedfew.reporting.plots')} RUN_DIR [ROUND ...]  "
               "(w/L heatmaps at ROUNDs; default first, middle, last)")

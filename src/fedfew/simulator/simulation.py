@@ -31,7 +31,7 @@ from fedfew.data.base import FederatedData
 from fedfew.data.federated import build_federated_data, to_device
 from fedfew.core.distributed import all_reduce_, gather_rows, merge_dicts
 from fedfew.core.budget import StepCounter, communication
-from fedfew.core.evaluation import EvalSettings, best_round, evaluate_clients, reported
+from fedfew.simulator.evaluation import EvalSettings, best_round, evaluate_clients, reported
 from fedfew.core.io import atomic_torch_save
 from fedfew.models import MODELS, DataInfo
 from fedfew.core.model_set import KModelSet, round_lr

@@ -1,4 +1,4 @@
-"""Run folders: their names, the lines that say where a run is, and the list of past runs.
+"""Run folders: their names, their identity, the lines that say where a run is, and whether one is running.
 
 **Names.** ``python -m fedfew.train`` writes into
 ``${FEDFEW_OUTPUT_DIR:-outputs}/<dataset>/<algorithm>/<YYYY-MM-DD_HH-MM-SS>[_<overrides>]``
@@ -8,43 +8,33 @@ command line: each override as ``<last part of the key>-<value>`` (``algorithm.K
 :data:`MAX_SUFFIX` characters (then ``_+N`` for the N overrides left out; ``.hydra/overrides.yaml``
 always holds all of them), with only ``A-Z a-z 0-9 . _ + -`` (anything else becomes ``_``), so
 the folder can be pasted back as ``hydra.run.dir=...``. Overrides that do not change results
-are left out (:data:`EXCLUDED`: dataset and algorithm are in the path already; data_dir,
+are left out (:data:`IN_PATH`: dataset and algorithm are in the path already; and the keys that
+:mod:`fedfew.core.keys` marks as not changing results: data_dir,
 trainer.threads, logger, resume, checkpointing).
 
 **Identity.** Two runs are the same experiment when their overrides match up to
-:data:`RESULT_NEUTRAL` (:func:`result_overrides`; ``data_dir`` is one: where the data lies is no
+:data:`fedfew.core.keys.RESULT_NEUTRAL` (:func:`result_overrides`; ``data_dir`` is one: where the data lies is no
 part of what a run computes) and they read the same data, compared by content
 (:func:`data_mismatch`, :mod:`fedfew.data.fingerprint`). Text meant to be committed (preset
 headers, compare.md) names no absolute path of a machine: :func:`portable_overrides`,
 :func:`portable_command`.
-
-**Listing.** ``python -m fedfew.runs [ROOT ...]`` (``make runs``) prints one row per run found
-under ROOT (default ``$FEDFEW_OUTPUT_DIR``, else ``outputs`` and ``multirun``), newest first,
-with the headline figures of its ``results.json``; a run without one is ``running`` while the
-process that trains it is alive (rank 0 keeps its host and pid in :data:`PID_FILE` from the
-first round to the end; on another host, or before the first round: when a file in it changed
-in the last :data:`RUNNING_WINDOW_S` seconds), else ``interrupted`` (stopped by a signal, killed
-or crashed; ``resumable`` when it left ``checkpoints/last.ckpt``), with the rounds it reached and
-its last evaluation from ``metrics.csv``.
 """
 from __future__ import annotations
 
-import argparse
-import csv
 import hashlib
 import json
 import math
 import os
 import re
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-#: overrides left out of a run folder's name (keys, or a prefix ending with ".")
-EXCLUDED = ("dataset", "algorithm", "data_dir", "trainer.threads", "resume", "save_models", "checkpoint_every",
-            "logger", "logger.", "hydra.", "fail_on_nonfinite")
+from fedfew.core.keys import changes_results
+
+#: overrides left out of a run folder's name besides the keys that do not change results
+#: (:data:`fedfew.core.keys.RESULT_NEUTRAL`): the path already names these
+IN_PATH = ("dataset", "algorithm")
 #: longest ``<overrides>`` part of a run folder's name, in characters
 MAX_SUFFIX = 60
 #: longest setup part of make tune's and make compare's default folder names (:func:`setup_folder`)
@@ -59,8 +49,9 @@ CHECKOUT = Path(__file__).resolve().parents[3]
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
 
 
-def _excluded(key: str, excluded: Iterable[str] = EXCLUDED) -> bool:
-    return any(key == e or (e.endswith(".") and key.startswith(e)) for e in excluded)
+def _excluded(key: str) -> bool:
+    """Whether a folder's name leaves ``key`` out: named by the path, or no change to results."""
+    return key in IN_PATH or not changes_results(key)
 
 
 #: keys whose value is a place on one machine, not what a run computes: ``data_dir`` is where the
@@ -68,22 +59,16 @@ def _excluded(key: str, excluded: Iterable[str] = EXCLUDED) -> bool:
 #: meant to be committed shows them as ``<key>`` (:func:`portable_overrides`).
 PATH_KEYS = ("data_dir",)
 
-#: overrides that change how or where a run is done, not its figures beyond float rounding
-#: (threads, logging, checkpoints, the run folder, :data:`PATH_KEYS`): a comparison reuses, and a
-#: tune resumes, across them (make compare and make tune set trainer.threads=1 with JOBS > 1 only;
-#: a run copied with the repository, or read from another data folder, is the same run as long as
-#: its data's fingerprint is the same, :func:`data_mismatch`)
-RESULT_NEUTRAL = tuple(e for e in EXCLUDED if e not in ("dataset", "algorithm"))
 
 
 def result_overrides(overrides: Iterable[str]) -> list[str]:
-    """``overrides`` without the :data:`RESULT_NEUTRAL` ones, in order: what two runs must share,
+    """``overrides`` without the ones that do not change results (:mod:`fedfew.core.keys`), in order: what two runs must share,
     besides their data (:mod:`fedfew.data.fingerprint`), to count as the same experiment.
 
     >>> result_overrides(["algorithm.K=5", "trainer.threads=1", "logger=none", "data_dir=/d"])
     ['algorithm.K=5']
     """
-    return [o for o in map(str, overrides) if not _excluded(o.split("=", 1)[0].lstrip("+~"), RESULT_NEUTRAL)]
+    return [o for o in map(str, overrides) if changes_results(o.split("=", 1)[0].lstrip("+~"))]
 
 
 #: how :func:`portable_path` shows the folder of an absolute path outside the checkout
@@ -190,7 +175,7 @@ def data_mismatch(run_dir: str | Path, data_dir: str | Path) -> str | None:
 
 
 def _named(overrides: Iterable[str]) -> list[str]:
-    """The overrides a folder's name shows: key=value ones, neither deletions nor :data:`EXCLUDED`."""
+    """The overrides a folder's name shows: key=value ones, neither deletions nor keys :func:`_excluded` leaves out."""
     return [t for t in map(str, overrides)
             if "=" in t and not t.startswith("~") and not _excluded(t.split("=", 1)[0].lstrip("+~"))]
 
@@ -334,7 +319,7 @@ def live_trainer(run_dir: str | Path) -> str | None:
     """``"<host> <pid>"`` of the process training ``run_dir`` when that process still runs on this
     host (:data:`PID_FILE`); None otherwise (no file, a dead process, or another host)."""
     try:
-        return (Path(run_dir) / PID_FILE).read_text().strip() if _alive(Path(run_dir)) else None
+        return (Path(run_dir) / PID_FILE).read_text().strip() if trainer_alive(Path(run_dir)) else None
     except OSError:  # the run ended meanwhile
         return None
 
@@ -350,7 +335,7 @@ def _runs_fedfew(pid: int) -> bool:
     return not command or b"fedfew" in command  # empty: a process between fork and exec, or a zombie
 
 
-def _alive(run_dir: Path) -> bool | None:
+def trainer_alive(run_dir: Path) -> bool | None:
     """Whether the process in the run's :data:`PID_FILE` still runs; None when unknown (no
     file, a process on another host, or a live pid whose command line does not name fedfew: most
     likely reused by another program, or a notebook kernel training in-process; the files' age
@@ -373,66 +358,10 @@ def _alive(run_dir: Path) -> bool | None:
     return True if _runs_fedfew(pid) else None
 
 
-# -- listing ---------------------------------------------------------------------------------
-
-@dataclass
-class RunInfo:
-    """One run folder as :func:`find_runs` sees it."""
-
-    path: Path
-    started: float                   # seconds since the epoch (the run's first file)
-    status: str                      # done | running | interrupted | resumable
-    rounds: str                      # "<reached>/<total>"
-    summary: dict[str, Any]          # results.json's summary, or the last evaluation of metrics.csv
-    wall_time_s: float | None = None
-
-
-def _is_run_dir(path: Path) -> bool:
-    return (path / "results.json").is_file() or (path / "config.yaml").is_file() \
-        or (path / ".hydra" / "config.yaml").is_file()
-
-
-def _newest_mtime(path: Path) -> float:
-    times = [p.stat().st_mtime for p in list(path.iterdir()) + list((path / ".hydra").glob("*")) if p.is_file()]
-    return max(times, default=path.stat().st_mtime)
-
-
-def _started(path: Path) -> float:
-    for name in (".hydra/config.yaml", "config.yaml"):
-        if (path / name).is_file():
-            return (path / name).stat().st_mtime
-    return path.stat().st_mtime
-
-
-def _total_rounds(path: Path) -> int | None:
-    from omegaconf import OmegaConf
-
-    for name in ("config.yaml", ".hydra/config.yaml"):
-        try:
-            value = OmegaConf.load(path / name).get("rounds")
-            return int(value)
-        except Exception:  # missing file, unresolved interpolation (.hydra) -> try the next
-            continue
-    return None
-
-
-def _metrics_progress(path: Path) -> tuple[int, dict[str, Any]]:
-    """(last round in metrics.csv, its last evaluation's accuracy columns)."""
-    try:
-        with (path / "metrics.csv").open() as fh:
-            rows = list(csv.DictReader(fh))
-    except OSError:
-        return 0, {}
-    last_round = int(float(rows[-1]["round"])) if rows else 0
-    evaluated = [r for r in rows if r.get("acc_mean")]
-    summary = {k: float(v) for k, v in evaluated[-1].items() if k.startswith(("acc_", "majority_")) and v} if evaluated else {}
-    return last_round, summary
-
-
 def diverged_clients(results: dict[str, Any]) -> list[int]:
     """Ids of the clients whose scored model diverged: its loss on the client's selection split
     is non-finite (``clients[i].selection_loss`` of a results.json is NaN or inf, which
-    :func:`fedfew.core.evaluation.evaluate_clients` gives only when every candidate model of the client
+    :func:`fedfew.simulator.evaluation.evaluate_clients` gives only when every candidate model of the client
     is non-finite there). Such a model predicts one class for every sample, yet a run where only
     some clients diverged can still score above the majority label, so the figure says nothing of
     it; :func:`fedfew.reporting.callbacks.summary_lines` and the comparison report it.
@@ -446,117 +375,3 @@ def diverged_clients(results: dict[str, Any]) -> list[int]:
         if loss is not None and not math.isfinite(float(loss)):
             out.append(int(c["id"]))
     return out
-
-
-def run_info(path: Path, now: float | None = None) -> RunInfo:
-    """Status, rounds and headline figures of one run folder (see the module docstring)."""
-    now = time.time() if now is None else now
-    results_path = path / "results.json"
-    if results_path.is_file():
-        try:
-            results = json.loads(results_path.read_text())
-            s = results.get("summary", {})
-            total = s.get("rounds")
-            return RunInfo(path, _started(path), "done", f"{total}/{total}", s, results.get("wall_time_s"))
-        except (OSError, ValueError):
-            pass
-    reached, summary = _metrics_progress(path)
-    total = _total_rounds(path)
-    alive = _alive(path)
-    if alive or (alive is None and now - _newest_mtime(path) <= RUNNING_WINDOW_S):
-        status = "running"
-    else:
-        status = "resumable" if (path / "checkpoints" / "last.ckpt").is_file() else "interrupted"
-    return RunInfo(path, _started(path), status, f"{reached}/{total if total is not None else '?'}", summary)
-
-
-def find_runs(roots: Iterable[str | Path]) -> list[RunInfo]:
-    """Every run folder under ``roots`` (a root may be a run folder itself), newest first.
-    Folders inside a run folder (plots, checkpoints, wandb) are not searched."""
-    found: dict[Path, RunInfo] = {}
-    now = time.time()
-    for root in roots:
-        root = Path(root)
-        if not root.is_dir():
-            continue
-        for current, dirs, _files in os.walk(root):
-            here = Path(current)
-            if _is_run_dir(here):
-                found[here.resolve()] = run_info(here, now)
-                dirs[:] = []
-            else:
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-    return sorted(found.values(), key=lambda r: r.started, reverse=True)
-
-
-def _fmt(value: Any, spec: str = ".4f") -> str:
-    return format(value, spec) if isinstance(value, (int, float)) else "-"
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds:.1f} s" if seconds < 60 else f"{seconds / 60:.1f} min" if seconds < 3600 else f"{seconds / 3600:.1f} h"
-
-
-def runs_table(runs: list[RunInfo], title: str = "runs"):
-    """A :class:`rich.table.Table` of ``runs`` (one row each)."""
-    from rich.table import Table
-
-    table = Table(title=title)
-    table.add_column("run", overflow="fold", min_width=min(100, max((len(display_path(r.path)) for r in runs), default=3)))
-    table.add_column("started")
-    table.add_column("status")
-    table.add_column("rounds", justify="right")
-    for name in ("client-mean acc", "min", "sample-weighted", "majority", ):
-        table.add_column(name, justify="right")
-    table.add_column("clients per model")
-    table.add_column("wall", justify="right")
-    for r in runs:
-        s = r.summary
-        table.add_row(
-            display_path(r.path), time.strftime("%Y-%m-%d %H:%M", time.localtime(r.started)), r.status, r.rounds,
-            _fmt(s.get("acc_mean")), _fmt(s.get("acc_min")), _fmt(s.get("acc_weighted")), _fmt(s.get("majority_acc_mean")),
-            str(s["models_served"]) if s.get("models_served") is not None else "-",
-            _duration(r.wall_time_s),
-        )
-    return table
-
-
-def default_roots() -> list[Path]:
-    """``$FEDFEW_OUTPUT_DIR`` when set, else ``outputs`` and ``multirun`` (the training defaults)."""
-    env = os.environ.get("FEDFEW_OUTPUT_DIR")
-    return [Path(env)] if env else [Path("outputs"), Path("multirun")]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m fedfew.runs [ROOT ...] [--limit N | --all]``: the table of past runs."""
-    parser = argparse.ArgumentParser(prog=python_command("fedfew.runs"), description="List fedfew runs, newest first.")
-    parser.add_argument("roots", nargs="*", help="folders to search (default: $FEDFEW_OUTPUT_DIR, else outputs and multirun)")
-    parser.add_argument("--limit", type=int, default=30, help="newest N runs (default 30)")
-    parser.add_argument("--all", action="store_true", help="every run")
-    args = parser.parse_args(argv)
-    roots = [Path(r) for r in args.roots] or default_roots()
-    missing = [str(r) for r in roots if not r.is_dir()]
-    if args.roots and missing:
-        print(f"error: not a folder: {', '.join(missing)}", file=sys.stderr)
-        return 2
-    runs = find_runs(roots)
-    if not runs:
-        print(f"no runs under {', '.join(str(r) for r in roots)} (a run folder holds config.yaml or results.json)")
-        return 0
-    shown = runs if args.all else runs[: max(args.limit, 0)]
-    from rich.console import Console
-
-    table = runs_table(shown, title=f"runs under {', '.join(str(r) for r in roots)} (newest first)")
-    # a terminal folds long cells; a file or pipe gets the whole table, unwrapped
-    width = None if sys.stdout.isatty() else Console(width=10_000).measure(table).maximum
-    console = Console(width=width)
-    console.print(table)
-    if len(shown) < len(runs):
-        console.print(f"{len(runs) - len(shown)} older run(s) not shown (--all)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -81,6 +81,10 @@ def copy_buffers_(dst: nn.Module, src: nn.Module) -> None:
 class APFL(Averaging):
     """Global model by FedAvg; personal v_i and alpha_i on the host (``personal``, ``alpha``)."""
 
+    key_rules = {"alpha": "number in [0, 1] (mixing weight; its start when adaptive)",
+                 "adaptive": "true | false",
+                 "alpha_lr": "null or number > 0 (null: optim.lr)"}
+
     client_state = True
 
     row_shapes = {"loss": lambda K: (1,), "alpha": lambda K: (1,)}

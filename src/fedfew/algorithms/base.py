@@ -126,6 +126,11 @@ class Algorithm:
 
     #: rows that :meth:`client_update` returns, name -> shape of one row given K
     row_shapes: dict[str, Callable[[int], tuple[int, ...]]] = {}
+    #: the method's own keys (conf/algorithm/<name>.yaml) -> their allowed values in words, e.g.
+    #: ``{"lam": "number >= 0"}``: :func:`fedfew.config.rules.check_of` turns each into the check
+    #: validation runs before any data is read, and the docs table lists it (a literal: read from the
+    #: source, no import)
+    key_rules: dict[str, str] = {}
 
     #: whether :class:`fedfew.reporting.collapse_watch.CollapseWatch` warns when a server model stops
     #: serving clients (few-for-many methods); the keys that help (:class:`Hint`,

@@ -108,6 +108,11 @@ def cluster_step(updates: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
 class CFL(Averaging):
     """Clusters with their own models, split recursively by the cosine similarity of updates."""
 
+    key_rules = {"max_clusters": "integer >= 1",
+                 "eps_1": "number >= 0",
+                 "eps_2": "number >= 0",
+                 "warmup": "integer >= 0"}
+
     def __init__(self, cfg: DictConfig, ctx) -> None:
         super().__init__(cfg, ctx)
         self.max_clusters = check_number(cfg, "max_clusters", 1, integer=True)

@@ -31,6 +31,9 @@ from fedfew.core.model_set import flat_state
 class Ditto(Averaging):
     """FedAvg global model + personal models regularised towards it (host state ``personal``)."""
 
+    key_rules = {"lam": "number >= 0",
+                 "personal_epochs": "null or integer >= 1 (null: local_epochs)"}
+
     client_state = True
 
     row_shapes = {"loss": lambda K: (1,), "personal_loss": lambda K: (1,)}

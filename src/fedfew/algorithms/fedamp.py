@@ -110,6 +110,10 @@ def attention_weights(sq_dist: torch.Tensor, alphaK: float, sigma: float) -> tor
 class FedAMP(Averaging):
     """Personal models (host state ``personal``) pulled towards attentive cloud models (``cloud``)."""
 
+    key_rules = {"alphaK": "number in (0, 1]",
+                 "lam": "number >= 0",
+                 "sigma": "number > 0 (attention scale)"}
+
     client_state = True
 
     def __init__(self, cfg: DictConfig, ctx) -> None:

@@ -25,6 +25,8 @@ from fedfew.data.base import ClientSplit
 class FedAvg(Averaging):
     """One global model, sample-weighted averaging of the clients' locally trained copies."""
 
+    key_rules: dict[str, str] = {}  # no keys of its own
+
     #: extra local loss term (FedProx sets a proximal term each round)
     penalty: Callable[[nn.Module], torch.Tensor] | None = None
 

@@ -67,6 +67,8 @@ class FedBN(FedAvg):
         ValueError: the model has no BatchNorm layer (FedBN would be FedAvg).
     """
 
+    key_rules = {"local_affine": "true | false (keep the BatchNorm weight and bias local too)"}
+
     client_state = True
 
     def __init__(self, cfg: DictConfig, ctx: Context) -> None:

@@ -186,6 +186,9 @@ def train_weighted(
 class FedEM(Averaging):
     """K shared components, per-client mixture weights pi_i (``pi`` on the host); EM rounds."""
 
+    key_rules = {"K": "integer >= 1 (mixture components)",
+                 "init": "independent | identical"}
+
     client_state = True
     watch_collapse = True
     collapse_hint = ("Keys that help: a smaller algorithm.K, algorithm.init=independent (identical components take "

@@ -83,6 +83,22 @@ def nonfinite_models(losses: torch.Tensor, deltas: torch.Tensor) -> list[int]:
 class FedFew(Algorithm):
     """FedFew with STCH-Set weights (see module docstring)."""
 
+    key_rules = {"K": "integer >= 1, or auto (auto: start with K_max models, retire redundant ones)",
+                 "K_max": "integer >= 1 (K=auto: models at the start; <= num_clients)",
+                 "K_min": "integer >= 1 (K=auto: models never retired below; <= K_max)",
+                 "auto_patience": "integer >= 1 (K=auto: rounds in a row a model is redundant before it is retired)",
+                 "mu": "number > 0 (temperature of alpha and w, in nats of loss)",
+                 "mu_schedule": "constant | cosine | exponential | spread | loss (mu over rounds)",
+                 "mu_end": "number > 0 (cosine, exponential: the last round's mu; <= mu)",
+                 "mu_clients": "number in (0, 1) (mu_schedule=spread: share of the clients alpha spreads over)",
+                 "mu_ratio": "number > 0 (mu_schedule=loss: mu as a fraction of the mean best loss)",
+                 "mu_scale": "relative | reference (units of mu)",
+                 "init": "independent | identical",
+                 "loss_source": "running | pre (the losses alpha and w are computed from)",
+                 "sample_weighting": "samples | none",
+                 "server_lr": "number > 0",
+                 "normalize": "true | false (true: each model moves by the weighted mean of its deltas)"}
+
     row_shapes = {"loss": lambda K: (K,)}
     uses_engine = True
     watch_collapse = True

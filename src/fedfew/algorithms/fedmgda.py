@@ -136,6 +136,11 @@ def weight_bounds(prior: np.ndarray, epsilon: float) -> tuple[np.ndarray, np.nda
 class FedMGDA(Averaging):
     """One global model moved along the min-norm combination of normalised client updates."""
 
+    key_rules = {"epsilon": "number >= 0",
+                 "server_lr": "number > 0",
+                 "normalize": "true | false",
+                 "prior": "uniform | samples"}
+
     def __init__(self, cfg: DictConfig, ctx) -> None:
         super().__init__(cfg, ctx)
         self.epsilon = check_number(cfg, "epsilon", 0.0)

@@ -74,6 +74,8 @@ def regulariser_gradient(W: torch.Tensor, omega: torch.Tensor, lam: float) -> to
 class FedMTL(Averaging):
     """Personal models with the mean-regularised MTL term; the server keeps their mean."""
 
+    key_rules = {"lam": "number >= 0"}
+
     client_state = True
 
     row_shapes = {"loss": lambda K: (1,)}

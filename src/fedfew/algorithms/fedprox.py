@@ -23,6 +23,8 @@ from fedfew.algorithms.fedavg import FedAvg
 class FedProx(FedAvg):
     """FedAvg with the proximal term (mu_prox / 2) * ||w - w_global||^2 in the local loss."""
 
+    key_rules = {"mu_prox": "number >= 0"}
+
     def __init__(self, cfg, ctx) -> None:
         super().__init__(cfg, ctx)
         self.mu_prox = float(cfg.mu_prox)

@@ -68,6 +68,8 @@ def _check_body_head(model: nn.Module) -> None:
 class FedRep(Averaging):
     """Shared body averaged by the server, personal heads kept on the host (``head``)."""
 
+    key_rules = {"head_epochs": "integer >= 0 (local epochs on the personal head)"}
+
     client_state = True
 
     def __init__(self, cfg, ctx) -> None:

@@ -117,6 +117,13 @@ def proximal_centre(u: torch.Tensor, centres: list[torch.Tensor]) -> torch.Tenso
 class FedSoft(Averaging):
     """K centres; personal models with a u-weighted proximal term; importance-weighted averaging."""
 
+    key_rules = {"K": "integer >= 1",
+                 "lam": "number >= 0",
+                 "sigma": "number > 0 (importance floor; <= 1/K)",
+                 "estimate_every": "integer >= 1",
+                 "score": "personal | centres",
+                 "init": "independent | identical"}
+
     client_state = True
     watch_collapse = True
     collapse_keys = (Hint("algorithm.init", "independent"), Hint("algorithm.K", change="a smaller"))

@@ -40,6 +40,9 @@ def assign(losses: torch.Tensor) -> torch.Tensor:
 class IFCA(Averaging):
     """K cluster models; each client trains the one with the lowest train loss."""
 
+    key_rules = {"K": "integer >= 1",
+                 "init": "independent | identical"}
+
     watch_collapse = True
     collapse_keys = (Hint("algorithm.init", "independent", "identical models send every client to model 0"),
                      Hint("algorithm.K", change="a smaller"))

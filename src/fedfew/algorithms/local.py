@@ -27,6 +27,8 @@ from fedfew.core.model_set import flat_state
 class Local(Averaging):
     """Per-client models trained in isolation (host state ``model``)."""
 
+    key_rules: dict[str, str] = {}  # no keys of its own
+
     client_state = True
 
     @classmethod

@@ -32,6 +32,8 @@ class Oracle(Averaging):
             different from the number of groups.
     """
 
+    key_rules = {"K": "integer >= 1 (= partition.groups)"}
+
     row_shapes = {"loss": lambda K: (1,)}
 
     def __init__(self, cfg: DictConfig, ctx) -> None:

@@ -72,6 +72,73 @@ def _applies(rule: Rule, cfg: DictConfig) -> bool:
         return False
 
 
+_COMPARE = {">=": lambda a, b: a >= b, ">": lambda a, b: a > b, "<=": lambda a, b: a <= b, "<": lambda a, b: a < b}
+
+
+def _literal(token: str) -> Any:
+    """A choice token as it is compared: ``true``/``false`` as bools, anything else as a string."""
+    return {"true": True, "false": False}.get(token, token)
+
+
+def _one_check(spec: str) -> Callable[[Any], bool]:
+    """The check of one alternative of an allowed-values text (see :func:`check_of`)."""
+    import re
+
+    kinds = {"integer": _is_int, "number": _is_number}
+    if spec == "null":
+        return lambda v: v is None
+    m = re.fullmatch(r"(integer|number) (>=|>|<=|<) (-?[0-9.]+)", spec)
+    if m:
+        kind, op, bound = kinds[m.group(1)], _COMPARE[m.group(2)], float(m.group(3))
+        return lambda v: kind(v) and op(v, bound)
+    m = re.fullmatch(r"(integer|number) in ([\[(])(-?[0-9.]+), (-?[0-9.]+)([\])])", spec)
+    if m:
+        kind, low, high = kinds[m.group(1)], float(m.group(3)), float(m.group(4))
+        above = _COMPARE[">=" if m.group(2) == "[" else ">"]
+        below = _COMPARE["<=" if m.group(5) == "]" else "<"]
+        return lambda v: kind(v) and above(v, low) and below(v, high)
+    tokens = [s.strip() for s in spec.split("|")]
+    if all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", s) for s in tokens):
+        choices = [_literal(s) for s in tokens]
+        return lambda v: any(v == c and type(v) is type(c) for c in choices)
+    raise ValueError(f"cannot read the allowed values {spec!r}: write 'integer >= 1', 'number > 0', "
+                     "'number in (0, 1]', 'a | b | c', 'null', or alternatives joined by ' or '")
+
+
+def check_of(allowed: str) -> Callable[[Any], bool]:
+    """The check that an allowed-values text states, so a method declares each key once, in words.
+
+    The text is alternatives joined by `` or `` (a comma before it is allowed), each one of
+    ``integer >= 1`` (also ``>``, ``<=``, ``<``), ``number in (0, 1]`` (brackets as in maths),
+    ``a | b | c`` (choices; ``true`` and ``false`` are booleans) or ``null``; a closing
+    parenthesis at the end is a note, not part of the check. E.g.
+    ``"integer >= 1, or auto (start with K_max models)"``.
+
+    Raises:
+        ValueError: a text this grammar cannot read (named).
+    """
+    spec = allowed.strip()
+    if spec.endswith(")"):  # a note: drop the balanced parenthesis that ends the text
+        depth = 0
+        for i in range(len(spec) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(spec[i], 0)
+            if depth == 0:
+                break
+        if spec[:i].endswith(" ") and not spec[:i].rstrip().endswith((",", "in")):
+            spec = spec[:i].strip()
+    checks = [_one_check(part.strip().rstrip(",").strip()) for part in spec.replace(", or ", " or ").split(" or ")]
+    return lambda v: any(check(v) for check in checks)
+
+
+def algorithm_rules(name: str) -> list[Rule]:
+    """The rules of algorithm ``name``'s own keys: its class's ``key_rules`` (``{key: allowed text}``,
+    read from the source without importing it, :func:`fedfew.core.registry.declared`), each checked
+    by :func:`check_of`. Empty for an unknown name (reported elsewhere)."""
+    declared_rules = declared(ALGORITHMS, name, "key_rules", {}) or {}
+    return [Rule(f"algorithm.{key}", allowed, check_of(allowed), lambda c, k=key: k in c.algorithm, f"algorithm={name}")
+            for key, allowed in declared_rules.items()]
+
+
 #: who uses the label-split keys (partition.within: the split inside a clustered partition's groups)
 DIRICHLET = "partition=dirichlet, or partition=clustered with partition.within=dirichlet"
 PATHOLOGICAL = "partition=pathological, or partition=clustered with partition.within=pathological"
@@ -116,42 +183,6 @@ RULES: list[Rule] = [
          lambda v: _is_number(v) and v > 0, lambda c: "embed_lr_scale" in c.model),
     Rule("model.norm", "none | batch (mlp, cnn: a BatchNorm after each hidden layer)", lambda v: v in ("none", "batch"),
          lambda c: "norm" in c.model),
-    Rule("algorithm.K", "integer >= 1, or auto (fedfew: start with K_max models, retire redundant ones)",
-         lambda v: (_is_int(v) and v >= 1) or v == "auto", lambda c: "K" in c.algorithm),
-    Rule("algorithm.K_max", "integer >= 1 and <= num_clients (K=auto: models at the start)",
-         lambda v: _is_int(v) and v >= 1, lambda c: "K_max" in c.algorithm),
-    Rule("algorithm.K_min", "integer >= 1 and <= K_max (K=auto: models never retired below)",
-         lambda v: _is_int(v) and v >= 1, lambda c: "K_min" in c.algorithm),
-    Rule("algorithm.auto_patience", "integer >= 1 (K=auto: rounds in a row a model is redundant before it is retired)",
-         lambda v: _is_int(v) and v >= 1, lambda c: "auto_patience" in c.algorithm),
-    Rule("algorithm.mu", "number > 0", lambda v: _is_number(v) and v > 0, lambda c: "mu" in c.algorithm),
-    Rule("algorithm.mu_schedule", "constant | cosine | exponential | spread | loss (fedfew: mu over rounds)",
-         lambda v: v in ("constant", "cosine", "exponential", "spread", "loss"), lambda c: "mu_schedule" in c.algorithm),
-    Rule("algorithm.mu_clients", "number in (0, 1) (mu_schedule=spread: share of the clients alpha spreads over)",
-         lambda v: _is_number(v) and 0 < v < 1, lambda c: "mu_clients" in c.algorithm),
-    Rule("algorithm.mu_end", "number > 0 (cosine, exponential: the last round's mu; <= mu)",
-         lambda v: _is_number(v) and v > 0, lambda c: "mu_end" in c.algorithm),
-    Rule("algorithm.mu_ratio", "number > 0 (mu_schedule=loss: mu as a fraction of the mean best loss)",
-         lambda v: _is_number(v) and v > 0, lambda c: "mu_ratio" in c.algorithm),
-    Rule("algorithm.server_lr", "number > 0", lambda v: _is_number(v) and v > 0, lambda c: "server_lr" in c.algorithm),
-    # baselines' own keys (each is checked where the algorithm has it)
-    Rule("algorithm.lam", "number >= 0 (ditto, fedamp, fedmtl, fedsoft)", lambda v: _is_number(v) and v >= 0,
-         lambda c: "lam" in c.algorithm),
-    Rule("algorithm.alphaK", "number in (0, 1] (fedamp)", lambda v: _is_number(v) and 0 < v <= 1,
-         lambda c: "alphaK" in c.algorithm),
-    Rule("algorithm.sigma", "number > 0 (fedsoft: also <= 1/K)", lambda v: _is_number(v) and v > 0,
-         lambda c: "sigma" in c.algorithm),
-    Rule("algorithm.epsilon", "number >= 0 (fedmgda)", lambda v: _is_number(v) and v >= 0,
-         lambda c: "epsilon" in c.algorithm),
-    Rule("algorithm.max_clusters", "integer >= 1 (cfl)", lambda v: _is_int(v) and v >= 1,
-         lambda c: "max_clusters" in c.algorithm),
-    Rule("algorithm.eps_1", "number >= 0 (cfl)", lambda v: _is_number(v) and v >= 0, lambda c: "eps_1" in c.algorithm),
-    Rule("algorithm.eps_2", "number >= 0 (cfl)", lambda v: _is_number(v) and v >= 0, lambda c: "eps_2" in c.algorithm),
-    Rule("algorithm.warmup", "integer >= 0 (cfl)", lambda v: _is_int(v) and v >= 0, lambda c: "warmup" in c.algorithm),
-    Rule("algorithm.estimate_every", "integer >= 1 (fedsoft)", lambda v: _is_int(v) and v >= 1,
-         lambda c: "estimate_every" in c.algorithm),
-    Rule("algorithm.local_affine", "true | false (fedbn: keep the BatchNorm weight and bias local too)",
-         lambda v: isinstance(v, bool), lambda c: "local_affine" in c.algorithm),
     Rule("partition.alpha", "number > 0 (Dirichlet concentration)", lambda v: _is_number(v) and v > 0,
          lambda c: _scheme(c) == "dirichlet", DIRICHLET),
     Rule("partition.min_size", "integer >= 2 (a client needs 1 train + 1 test sample)", lambda v: _is_int(v) and v >= 2,
@@ -169,8 +200,6 @@ RULES: list[Rule] = [
     Rule("partition.within", "iid | dirichlet | pathological (clustered: label split inside a group)",
          lambda v: v in ("iid", "dirichlet", "pathological"), lambda c: c.partition.name == "clustered",
          "partition=clustered"),
-    Rule("algorithm.mu_scale", "relative | reference (fedfew: units of mu)", lambda v: v in ("relative", "reference"),
-         lambda c: "mu_scale" in c.algorithm),
     Rule("partition.client_sample", "first | random (natural: which groups become clients when num_clients caps them)",
          lambda v: v in ("first", "random"), lambda c: c.partition.name == "natural", "partition=natural"),
     Rule("partition.test_fraction", "number in (0, 1)", lambda v: _is_number(v) and 0 < v < 1),
@@ -204,7 +233,8 @@ def validate_config(cfg: DictConfig) -> None:
         ConfigError: listing each offending key, its value and the allowed range.
     """
     problems = []
-    for rule in RULES:
+    name = _lookup(cfg, "algorithm.name")
+    for rule in [*RULES, *(algorithm_rules(name) if isinstance(name, str) else [])]:
         if not _applies(rule, cfg):
             continue
         value = _lookup(cfg, rule.key)
@@ -315,6 +345,12 @@ def rules_markdown() -> str:
     """The validated keys and their ranges as a Markdown table (pasted into the README)."""
     lines = ["| key | allowed |", "|---|---|"]
     lines += [f"| `{rule.key}` | {rule.allowed} |" for rule in RULES]
+    # each method's own keys, from its class's key_rules: one row per (key, allowed text)
+    methods: dict[tuple[str, str], list[str]] = {}
+    for name in registered_names(ALGORITHMS):
+        for rule in algorithm_rules(name):
+            methods.setdefault((rule.key, rule.allowed), []).append(name)
+    lines += [f"| `{key}` | {', '.join(names)}: {allowed} |" for (key, allowed), names in sorted(methods.items())]
     lines.append("| `algorithm.K` vs `num_clients` | K <= M (a model no client can select is wasted) |")
     lines.append("| `algorithm.K=auto` | only where the algorithm has `K_max` (fedfew); K_min <= K_max <= M |")
     lines.append("| `algorithm.mu_end` vs `algorithm.mu` | mu_end <= mu with mu_schedule=cosine or exponential |")

@@ -3,8 +3,7 @@
 A round, as driven by :mod:`fedfew.simulator.simulation`::
 
     alg.begin_round(round, participants)
-    for client in this rank's participants:        # rows keyed by client id
-        rows[client.id] = alg.client_update(client, round)
+    rows = alg.train_clients(this rank's participants, round)   # rows keyed by client id
     gathered = gather rows of all ranks (participants x ...), in client order
     logs = alg.end_round(round, participants, gathered)
 
@@ -15,6 +14,8 @@ The hooks a method fills in, and nothing else:
 
 - ``num_models(cfg)``: how many server models it keeps (FedFew, IFCA: K; the others: 1);
 - ``client_update``: what a client does with the broadcast state (its local training);
+  ``train_clients`` runs it over the round's cohort, one client at a time, unless a method
+  trains several clients at once (FedFew's engines override it);
 - ``end_round``: how the server aggregates what the clients sent;
 - ``candidates``: which model(s) a client is scored with;
 - ``model_assignment``: which server model a client counts as served by (default: its pick);
@@ -85,8 +86,6 @@ class Context:
         num_train: (M,) int64 train sizes n_i (host).
         autocast: Fabric's autocast context-manager factory.
         host_state: per-client persistent state kept on the host (client id -> dict).
-        my_clients: participants (client ids) -> those this process trains (the round loop's
-            sharding); None outside the round loop (then one process trains every participant).
         nonfinite: the run's one non-finite policy (:mod:`fedfew.core.nonfinite`): every non-finite
             loss, update or personal state is reported there (default: from ``fail_on_nonfinite``).
     """
@@ -99,7 +98,6 @@ class Context:
     num_train: torch.Tensor
     autocast: Callable[[], Any] | None = None
     host_state: dict[int, dict[str, Any]] = field(default_factory=dict)
-    my_clients: Callable[[list[int]], list[int]] | None = None
     nonfinite: NonFiniteLog | None = None
 
     def __post_init__(self) -> None:
@@ -160,6 +158,15 @@ class Algorithm:
     def client_update(self, client: ClientSplit, rnd: int) -> dict[str, torch.Tensor]:
         """Local work of one client from the broadcast server state; returns its rows."""
         raise NotImplementedError
+
+    def train_clients(self, clients: list[ClientSplit], rnd: int) -> dict[int, dict[str, torch.Tensor]]:
+        """Local work of a cohort: the participants of round ``rnd`` this process trains, in round
+        order; returns each one's rows (:meth:`client_update`'s), by client id.
+
+        The round loop calls this, not :meth:`client_update`. The default trains one client at a
+        time; a method that trains several clients at once overrides it (FedFew's engines).
+        """
+        return {client.id: self.client_update(client, rnd) for client in clients}
 
     def end_round(self, rnd: int, participants: list[int], rows: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Server aggregation on every rank (identical result everywhere); returns logs.

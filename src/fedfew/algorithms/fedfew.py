@@ -145,37 +145,29 @@ class FedFew(Algorithm):
         self._accumulator = LogWeightedSum(module.K, dim, device=ctx.fabric.device)
         self._participant_total = float(ctx.num_train[participants].sum())
         self._participant_count = len(participants)
-        self._pending: dict[int, torch.Tensor] = {}
-        self._trained: set[int] = set()
-        # which clients the engine trains together (loop: one at a time). A chunk may only hold
-        # clients this process is sure to be asked for: the round loop's sharding
-        # (``ctx.my_clients``); without it, every participant on one process, else single clients.
-        if ctx.my_clients is not None:
-            mine = list(ctx.my_clients(participants))
-        elif ctx.fabric.world_size == 1:
-            mine = list(participants)
-        else:
-            mine = []
-        self._chunks = {c: chunk for chunk in self.engine.plan({c: int(ctx.num_train[c]) for c in mine}) for c in chunk}
+
+    def train_clients(self, clients: list[ClientSplit], rnd: int) -> dict[int, dict[str, torch.Tensor]]:
+        """The cohort's losses, (K,) per client; the deltas go straight into the streaming sum.
+
+        The engine (``engine=loop|vmap``) trains the K models from the server weights, several
+        clients at once where it plans chunks (:meth:`fedfew.engines.base.Engine.plan`: loop, one
+        at a time); chunks are trained in the order of their first client in ``clients``.
+        """
+        ids = [client.id for client in clients]
+        chunk_of = {c: chunk for chunk in self.engine.plan({c: int(self.ctx.num_train[c]) for c in ids}) for c in chunk}
+        losses: dict[int, torch.Tensor] = {}
+        for c in ids:
+            if c not in losses:
+                self._train_chunk([x for x in chunk_of.get(c, [c]) if x not in losses], rnd, losses)
+        return {c: {"loss": losses[c]} for c in ids}
 
     def client_update(self, client: ClientSplit, rnd: int) -> dict[str, torch.Tensor]:
-        """Client ``client``'s losses (K,); its deltas go straight into the streaming sum.
+        """One client's losses (K,): a cohort of one (a Flower client)."""
+        return self.train_clients([client], rnd)[client.id]
 
-        The engine (``engine=loop|vmap``) trains the K models from the server weights; when it
-        trains several clients at once (a chunk, see :meth:`fedfew.engines.base.Engine.plan`),
-        the first call of a chunk trains all of them and the others' losses wait here.
-        """
-        if client.id not in self._pending:
-            chunk = [c for c in self._chunks.get(client.id, [client.id]) if c not in self._trained]
-            if client.id not in chunk:
-                chunk = [client.id]
-            self._trained.update(chunk)
-            self._train_chunk(chunk, rnd)
-        return {"loss": self._pending.pop(client.id)}
-
-    def _train_chunk(self, client_ids: list[int], rnd: int) -> None:
+    def _train_chunk(self, client_ids: list[int], rnd: int, losses_out: dict[int, torch.Tensor]) -> None:
         """Train ``client_ids`` with the engine, fold each finite result into the accumulator
-        and keep its losses (NaN rows for excluded clients) in ``self._pending``."""
+        and put its losses (NaN rows for excluded clients) in ``losses_out``."""
         ctx, module, run = self.ctx, self.ctx.module, self.ctx.cfg
         # seeds follow the model's id, so retiring a model (K=auto) leaves the others' streams unchanged
         jobs = [ClientJob(c, ctx.train_index[c], [derive_seed(run.seed, "local", rnd, c, k) for k in module.model_ids])
@@ -190,12 +182,12 @@ class FedFew(Algorithm):
             if bad:  # the whole client is left out of this round (its alpha needs all K losses)
                 for k in bad:
                     ctx.nonfinite.report(result.client, f"local copy of model {module.model_ids[k]}")
-                self._pending[result.client] = torch.full_like(losses, float("nan"))
+                losses_out[result.client] = torch.full_like(losses, float("nan"))
                 continue
             log_w = client_log_weights(losses * self._loss_scale(result.client), self.mu)
             for k in range(module.K):
                 self._accumulator.add(k, float(log_w[k]), result.deltas[k])
-            self._pending[result.client] = losses
+            losses_out[result.client] = losses
 
     def _loss_scale(self, client_id: int) -> float:
         """The weight of client ``client_id``'s losses this round (:func:`weight_losses`):

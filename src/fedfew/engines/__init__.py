@@ -14,8 +14,8 @@ FedFew selects its engine with the top-level config key ``engine``; ``compile`` 
 a backend name) wraps the local step in ``torch.compile``; the key ``engine_clients``
 (``engine_clients=N`` on the command line; default ``auto``: one client at a time on the CPU,
 as many as fit in a share of the free memory on a GPU) caps the clients the vmap engine trains
-together. With several processes, chunks of several clients need the round loop's list of the
-process's clients (``Context.my_clients``); without it each process trains one client at a time.
+together. Chunks are planned over the cohort the round loop hands FedFew's ``train_clients``
+(each process's own participants).
 
 Which to use: on a GPU ``vmap`` (many small models per launch); on a CPU ``loop`` -- a CPU step
 is compute-bound already, and vmap's grouped convolutions are no faster there (slower for

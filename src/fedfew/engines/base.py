@@ -3,7 +3,7 @@
 An engine receives :class:`ClientJob` s (client id, its train indices on the device, one seed
 per model) and yields one :class:`ClientResult` per client: the running losses (K,) and the
 deltas (K, D) = theta_ik(local) - theta_k of the state vectors (parameters, then BatchNorm
-statistics: :func:`fedfew.core.model_set.flat_state`). The caller (FedFew's ``client_update``) folds each
+statistics: :func:`fedfew.core.model_set.flat_state`). The caller (FedFew's ``train_clients``) folds each
 result into its streaming aggregate before asking for the next one, so an engine may (and
 does) hand out views of one reused buffer: a result is valid until the generator resumes.
 

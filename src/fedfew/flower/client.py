@@ -214,7 +214,6 @@ class ClientRuntime:
         rnd = self.receive(content, state)
         participants = [int(c) for c in content["config"]["participants"]]
         alg = self.sim.algorithm
-        self.sim.ctx.my_clients = lambda ids: [c for c in ids if c == self.cid]
         alg.begin_round(rnd, participants)
         recorders = {name: Recorder(value) for name, value in accumulators(alg).items()}
         for name, recorder in recorders.items():
@@ -241,7 +240,6 @@ class ClientRuntime:
         from fedfew.simulator.evaluation import EvalSettings, evaluate_clients
 
         rnd = self.receive(content, state)
-        self.sim.ctx.my_clients = None
         result = evaluate_clients(self.sim.algorithm, self.sim.ctx, [self.client], self.cid + 1, rnd)
         settings = EvalSettings.from_config(self.cfg)
         rows = {settings.protocol: result["clients"][self.cid]}

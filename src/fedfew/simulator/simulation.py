@@ -122,7 +122,6 @@ class Simulation:
             train_index=[torch.as_tensor(c.train, device=fabric.device) for c in host_data.clients],
             num_train=self.num_train,
             autocast=fabric.autocast if cfg.trainer.precision not in ("32", "32-true", 32) else None,
-            my_clients=self.my_clients,
             nonfinite=self.nonfinite,
         )
         self.algorithm = alg_cls(cfg.algorithm, self.ctx)
@@ -162,8 +161,8 @@ class Simulation:
         self.algorithm.begin_round(rnd, participants)
         rows: dict[str, dict[int, torch.Tensor]] = {}
         with StepCounter() as steps:
-            for cid in self.my_clients(participants):
-                out = self.algorithm.client_update(self.host_data.clients[cid], rnd)
+            cohort = [self.host_data.clients[cid] for cid in self.my_clients(participants)]
+            for cid, out in self.algorithm.train_clients(cohort, rnd).items():
                 for name, value in out.items():
                     rows.setdefault(name, {})[position[cid]] = value.to(self.fabric.device)
         gathered = {

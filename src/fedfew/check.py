@@ -59,8 +59,8 @@ def check_data(cfg: DictConfig) -> list[Path]:
     """
     import importlib
 
-    from fedfew.data.base import DataNotFoundError, resolve_data_dir
     from fedfew.core.run_folders import python_command
+    from fedfew.data.base import DataNotFoundError, resolve_data_dir
 
     name = cfg.dataset.name
     data_dir = resolve_data_dir(cfg.data_dir)

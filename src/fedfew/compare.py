@@ -12,10 +12,10 @@ import argparse
 import sys
 from typing import Sequence
 
-from fedfew.experiments.launch import Busy
 from fedfew.core.run_folders import python_command
 from fedfew.experiments.comparison import compare
 from fedfew.experiments.comparison_table import CompareError
+from fedfew.experiments.launch import Busy
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

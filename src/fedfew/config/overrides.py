@@ -39,6 +39,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 #: the configs of ``python -m fedfew.train`` (conf/, linked into the package)
 from fedfew.config import CONFIG_DIR
+
 #: a suggestion scoring below this (see :func:`closest_key`) is called "nearest", not "closest"
 SIMILAR = 0.6
 #: at most this many combinations of swept groups (and swept keys) are composed (beyond: no check)

@@ -12,11 +12,10 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from fedfew.config import CONFIG_DIR
 from fedfew.core.checkpoint import ADDED_KEYS
 from fedfew.core.keys import changes_setup
 from fedfew.data.partition import partition_scheme
-
-from fedfew.config import CONFIG_DIR
 
 
 class PresetError(ValueError):

@@ -53,12 +53,30 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fedfew.core.checkpoint import checkpoint_path
-from fedfew.experiments.launch import (FAILED_RESULTS, check_not_training, exclusive, launch, outcome, progress,
-                           recorded_overrides, refused_checkpoint, tidy)
 from fedfew.core.nonfinite import DIVERGED_EXIT
 from fedfew.core.run_folders import data_mismatch, portable_command, portable_path
-from fedfew.experiments.comparison_table import (MAJORITY, CompareError, also_protocols, describe, protocol_view,
-                                                summarize, to_markdown, write_plots, write_tables)
+from fedfew.experiments.comparison_table import (
+    MAJORITY,
+    CompareError,
+    also_protocols,
+    describe,
+    protocol_view,
+    summarize,
+    to_markdown,
+    write_plots,
+    write_tables,
+)
+from fedfew.experiments.launch import (
+    FAILED_RESULTS,
+    check_not_training,
+    exclusive,
+    launch,
+    outcome,
+    progress,
+    recorded_overrides,
+    refused_checkpoint,
+    tidy,
+)
 
 
 @dataclass(frozen=True)
@@ -300,8 +318,8 @@ def compare(args, argv: Sequence[str]) -> int:
     forget_data()  # the data is read afresh by each comparison (check_reusable)
     from fedfew.algorithms import ALGORITHMS
     from fedfew.core.run_folders import older_setup_note
-    from fedfew.experiments.tuning import LEFT_OUT, RUN_KEYS, check_extra_keys, runnable_algorithms
     from fedfew.experiments.tune_errors import TuneError
+    from fedfew.experiments.tuning import LEFT_OUT, RUN_KEYS, check_extra_keys, runnable_algorithms
 
     for alg in algorithms:
         ALGORITHMS.get(alg)  # unknown names fail here, with the list of known ones

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fedfew.core.io import atomic_write_text
-from fedfew.data.partition import partition_scheme
 from fedfew.core.run_folders import diverged_clients, portable_path
+from fedfew.data.partition import partition_scheme
 
 
 class CompareError(RuntimeError):
@@ -141,8 +141,8 @@ def own_keys(config: dict[str, Any]) -> str:
     from omegaconf import OmegaConf
 
     from fedfew.config import CONFIG_DIR
-    from fedfew.experiments.tune_errors import TuneError
     from fedfew.experiments.search_space import load_space
+    from fedfew.experiments.tune_errors import TuneError
 
     node = config.get("algorithm", {})
     name = node.get("name", "")

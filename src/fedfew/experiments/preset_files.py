@@ -8,13 +8,12 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from fedfew.config.presets import describe_setup, nest, setup_keys
 from fedfew.core.io import atomic_write_text
 from fedfew.core.run_folders import portable_command, portable_overrides
-from fedfew.config.presets import describe_setup, nest, setup_keys
 from fedfew.experiments.search_space import Dimension
 from fedfew.experiments.studies import Choice, choice, completed, finished
 from fedfew.experiments.tuning import Plan, _fmt_values
-
 
 #: a chosen value this close to a bound (a fraction of the range, log scale for a log key) is reported
 EDGE = 0.1

@@ -7,10 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 from fedfew.config import CONFIG_DIR
 from fedfew.experiments.tune_errors import TuneError
-
 
 #: one search-space file per algorithm, plus common.yaml (the local lr, for every method)
 SPACE_DIR = CONFIG_DIR / "tune"

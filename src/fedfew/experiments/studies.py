@@ -36,8 +36,8 @@ def open_study(plan: Plan):
     """
     import optuna
 
-    from fedfew.data.fingerprint import data_check
     from fedfew.core.run_folders import data_mismatch, recorded_data, result_overrides
+    from fedfew.data.fingerprint import data_check
 
     plan.dir.mkdir(parents=True, exist_ok=True)
     storage = f"sqlite:///{plan.dir / 'study.db'}"

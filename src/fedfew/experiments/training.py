@@ -12,8 +12,8 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from fedfew.core.checkpoint import check_resume_config, load_checkpoint, resolve_resume
 from fedfew.config.rules import validate_config
+from fedfew.core.checkpoint import check_resume_config, load_checkpoint, resolve_resume
 
 
 class SetupError(Exception):
@@ -28,8 +28,8 @@ def make_fabric(cfg: DictConfig, run_dir: Path):
     from fedfew.reporting.callbacks import ConsoleReport, LoggerBridge, PlotFiles, ResultFiles
     from fedfew.reporting.collapse_watch import CollapseWatch
     from fedfew.reporting.loggers import build_loggers
-    from fedfew.reporting.wandb_monitor import WandbMonitor
     from fedfew.reporting.partition_report import PartitionReport
+    from fedfew.reporting.wandb_monitor import WandbMonitor
 
     t = cfg.trainer
     return Fabric(

@@ -63,16 +63,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from fedfew.config import presets
 from fedfew.config.compose import ComposeError
 from fedfew.config.compose import compose as compose_config
-from fedfew.experiments.launch import (Busy, check_not_training, launch, outcome, progress,
-                           refused_checkpoint, tidy)
-from fedfew.core.run_folders import diverged_clients
-from fedfew.config import presets
 from fedfew.config.presets import fixed_keys, override_value, setup_changing
+from fedfew.core.run_folders import diverged_clients
+from fedfew.experiments.launch import Busy, check_not_training, launch, outcome, progress, refused_checkpoint, tidy
 from fedfew.experiments.search_space import Dimension, load_space
 from fedfew.experiments.tune_errors import TrialDiverged, TrialInterrupted, TuneError
-
 
 OBJECTIVES = ("last3", "final")
 

@@ -477,8 +477,6 @@ def _same(configured, text: str) -> bool:
     return str(configured).lower() == text.lower()
 
 
-
-
 SHUFFLE_TEST_LABELS = '''
 import sys
 import numpy as np

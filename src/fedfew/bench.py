@@ -839,7 +839,6 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-
 # ---------------------------------------------------------------------------------------------
 # GPU readiness check: ``python -m fedfew.bench --gpu-check`` (``make gpu-check``, docs/speed.md)
 # ---------------------------------------------------------------------------------------------

@@ -26,8 +26,6 @@ class PresetError(ValueError):
 TUNED_DIR = CONFIG_DIR / "tuned"
 
 
-
-
 def fixed_keys(extra: Sequence[str]) -> set[str]:
     """Dotted keys set by the extra overrides (``a.b=1``, ``+a.b=1``, ``++a.b=1``)."""
     return {o.split("=", 1)[0].lstrip("+~") for o in extra if "=" in o}

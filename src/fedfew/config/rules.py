@@ -6,6 +6,7 @@ every violated rule at once. The README's configuration table is :data:`RULES`.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -82,8 +83,6 @@ def _literal(token: str) -> Any:
 
 def _one_check(spec: str) -> Callable[[Any], bool]:
     """The check of one alternative of an allowed-values text (see :func:`check_of`)."""
-    import re
-
     kinds = {"integer": _is_int, "number": _is_number}
     if spec == "null":
         return lambda v: v is None

@@ -60,7 +60,6 @@ def _excluded(key: str) -> bool:
 PATH_KEYS = ("data_dir",)
 
 
-
 def result_overrides(overrides: Iterable[str]) -> list[str]:
     """``overrides`` without the ones that do not change results (:mod:`fedfew.core.keys`), in order: what two runs must share,
     besides their data (:mod:`fedfew.data.fingerprint`), to count as the same experiment.

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 
-
 def collapse_advice(algorithm, cfg) -> str:
     """What a collapse warning advises a run with config ``cfg``: "Keys that help: ..." with the
     algorithm's ``collapse_keys`` the run has not already set (:meth:`Hint.needed`), then its

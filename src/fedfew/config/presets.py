@@ -46,17 +46,7 @@ def preset_overrides(path: str | Path) -> list[str]:
     content = yaml.safe_load(path.read_text()) or {}
     if not isinstance(content, dict):
         raise PresetError(f"preset {path}: expected a mapping, got {type(content).__name__}")
-
-    def flat(node: dict, prefix: str = "") -> list[str]:
-        out = []
-        for key, value in node.items():
-            if isinstance(value, dict):
-                out += flat(value, f"{prefix}{key}.")
-            else:
-                out.append(f"{prefix}{key}={override_value(value)}")
-        return out
-
-    return flat(content)
+    return [f"{key}={override_value(value)}" for key, value in _flat(content).items()]
 
 
 def override_value(value: Any) -> str:

@@ -21,7 +21,8 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
-from fedfew.algorithms._averaging import WeightedSum, proximal_term
+from fedfew.algorithms._averaging import WeightedSum
+from fedfew.algorithms._client_training import proximal_term
 from fedfew.algorithms.apfl import alpha_step
 from fedfew.algorithms.ifca import assign
 from fedfew.core.local_training import evaluate_model

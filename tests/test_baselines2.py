@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
-from fedfew.algorithms._averaging import proximal_term
+from fedfew.algorithms._client_training import proximal_term
 from fedfew.algorithms.cfl import bipartition, cosine_similarity, should_split
 from fedfew.algorithms.fedamp import attention_weights, squared_distances
 from fedfew.algorithms.fedmgda import min_norm_weights, project_simplex_box, weight_bounds

@@ -54,7 +54,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
-from fedfew.algorithms._averaging import Averaging, loss_row
+from fedfew.algorithms._averaging import server_states
+from fedfew.algorithms._client_training import ClientTraining, loss_row
 from fedfew.algorithms._updates import check_number, finite_or_excluded, vector_row, vector_rows
 from fedfew.data.base import ClientSplit
 from fedfew.core.model_set import assign_state_, flat_state, state_numel
@@ -105,7 +106,7 @@ def cluster_step(updates: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
 
 
 @ALGORITHMS.register("cfl")
-class CFL(Averaging):
+class CFL(ClientTraining):
     """Clusters with their own models, split recursively by the cosine similarity of updates."""
 
     key_rules = {"max_clusters": "integer >= 1",
@@ -134,10 +135,14 @@ class CFL(Averaging):
         D = state_numel(model)
         return D, D  # the client's cluster model down, its update up
 
+    def begin_round(self, rnd: int, participants: list[int]) -> None:
+        #: (D,) state vector of each cluster model at the start of the round (updates are taken against it)
+        self.broadcast = server_states(self.ctx.module.models)
+
     def client_update(self, client: ClientSplit, rnd: int) -> dict[str, torch.Tensor]:
         k = int(self.membership[client.id])
         loss = self.local_train(client, rnd, k)
-        update = flat_state(self.ctx.module.working) - self._server[k]
+        update = flat_state(self.ctx.module.working) - self.broadcast[k]
         valid = finite_or_excluded(self.ctx, client.id, update)
         return {"loss": loss_row(loss), **vector_row(update, valid)}
 
@@ -175,11 +180,11 @@ class CFL(Averaging):
             members = [j for j in range(len(participants)) if int(new[j]) == s and bool(valid[j])]
             if not members:
                 continue
-            base = self._server[int(old[members[0]])]  # both halves of a split start from the parent
+            base = self.broadcast[int(old[members[0]])]  # both halves of a split start from the parent
             step = cluster_step(updates[members], sizes[members]).to(base.dtype)
             assign_state_(self.ctx.module.models[s], base + step)
             moved[s] = 1.0
-        self._server, self._sum = [], None
+        self.broadcast = []
         return {"loss": rows["loss"], "assignment": new.clone(), "effective_step": moved,
                 "mean_update_norm": mean_norm, "max_update_norm": max_norm,
                 "num_clusters": float(len(set(self.membership.tolist()))),

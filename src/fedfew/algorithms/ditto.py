@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
-from fedfew.algorithms._averaging import Averaging, loss_row, proximal_term
+from fedfew.algorithms._averaging import Averaging
+from fedfew.algorithms._client_training import loss_row, proximal_term
 from fedfew.data.base import ClientSplit
 from fedfew.core.model_set import flat_state
 

@@ -64,7 +64,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
-from fedfew.algorithms._averaging import Averaging, loss_row, proximal_term
+from fedfew.algorithms._client_training import ClientTraining, loss_row, proximal_term
 from fedfew.algorithms._updates import check_number, finite_or_excluded, vector_row, vector_rows
 from fedfew.data.base import ClientSplit
 from fedfew.core.model_set import flat_parameters, flat_state, unflatten_like
@@ -107,7 +107,7 @@ def attention_weights(sq_dist: torch.Tensor, alphaK: float, sigma: float) -> tor
 
 
 @ALGORITHMS.register("fedamp")
-class FedAMP(Averaging):
+class FedAMP(ClientTraining):
     """Personal models (host state ``personal``) pulled towards attentive cloud models (``cloud``)."""
 
     key_rules = {"alphaK": "number in (0, 1]",
@@ -172,7 +172,7 @@ class FedAMP(Averaging):
                 off = xi.masked_fill(torch.eye(P, dtype=torch.bool, device=xi.device), 0.0)
                 if self.alphaK < 1.0:
                     neighbour[keep] = (off.max(dim=1).values / (1.0 - self.alphaK)).cpu()
-        self._mine, self._sum, self._server = [], None, []
+        self._mine = []
         return {"loss": rows["loss"], "mean_sq_distance": mean_sq, "neighbour_weight": neighbour}
 
     def candidates(self, client: ClientSplit) -> list[nn.Module]:

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
-from fedfew.algorithms._averaging import Averaging, loss_row
+from fedfew.algorithms._averaging import Averaging
+from fedfew.algorithms._client_training import loss_row
 from fedfew.data.base import ClientSplit
 
 

@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
-from fedfew.algorithms._averaging import loss_row
+from fedfew.algorithms._client_training import loss_row
 from fedfew.algorithms.base import Context
 from fedfew.algorithms.fedavg import FedAvg
 from fedfew.data.base import ClientSplit

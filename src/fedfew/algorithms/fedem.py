@@ -80,7 +80,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
-from fedfew.algorithms._averaging import Averaging, loss_row
+from fedfew.algorithms._averaging import Averaging
+from fedfew.algorithms._client_training import loss_row
 from fedfew.algorithms.fedsoft import per_sample_losses
 from fedfew.data.base import ClientSplit, FederatedData
 from fedfew.core.local_training import batch_bounds

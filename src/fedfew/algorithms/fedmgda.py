@@ -45,7 +45,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
-from fedfew.algorithms._averaging import Averaging, loss_row
+from fedfew.algorithms._averaging import server_states
+from fedfew.algorithms._client_training import ClientTraining, loss_row
 from fedfew.algorithms._updates import check_number, finite_or_excluded, vector_row, vector_rows
 from fedfew.data.base import ClientSplit
 from fedfew.core.model_set import assign_state_, flat_state, state_numel
@@ -133,7 +134,7 @@ def weight_bounds(prior: np.ndarray, epsilon: float) -> tuple[np.ndarray, np.nda
 
 
 @ALGORITHMS.register("fedmgda")
-class FedMGDA(Averaging):
+class FedMGDA(ClientTraining):
     """One global model moved along the min-norm combination of normalised client updates."""
 
     key_rules = {"epsilon": "number >= 0",
@@ -153,9 +154,13 @@ class FedMGDA(Averaging):
         self.num_params = sum(p.numel() for p in ctx.module.models[0].parameters())
         self.row_shapes = {"loss": lambda K: (1,), **vector_rows(state_numel(ctx.module.models[0]))}
 
+    def begin_round(self, rnd: int, participants: list[int]) -> None:
+        #: [(D,)]: the global model's state vector at the start of the round (updates are taken against it)
+        self.broadcast = server_states(self.ctx.module.models)
+
     def client_update(self, client: ClientSplit, rnd: int) -> dict[str, torch.Tensor]:
         loss = self.local_train(client, rnd, 0)
-        update = flat_state(self.ctx.module.working) - self._server[0]  # w_i - w = -g_i (then statistics)
+        update = flat_state(self.ctx.module.working) - self.broadcast[0]  # w_i - w = -g_i (then statistics)
         valid = finite_or_excluded(self.ctx, client.id, update)
         return {"loss": loss_row(loss), **vector_row(update, valid)}
 
@@ -182,11 +187,11 @@ class FedMGDA(Averaging):
             lam_t = torch.as_tensor(lam, dtype=U.dtype, device=U.device)
             direction = lam_t @ U  # sum_i lambda_i (w_i - w) / ||w_i - w|| = -sum_i lambda_i g_i
             moved = lam_t @ statistics[keep]  # lambda*-weighted mean change of the statistics
-            step_all = torch.cat([self.server_lr * direction, moved]).to(self._server[0].dtype)
-            assign_state_(self.ctx.module.models[0], self._server[0] + step_all)
+            step_all = torch.cat([self.server_lr * direction, moved]).to(self.broadcast[0].dtype)
+            assign_state_(self.ctx.module.models[0], self.broadcast[0] + step_all)
             weights[keep] = torch.as_tensor(lam, dtype=torch.float64)
             step = self.server_lr * direction.norm().cpu()
-        self._server, self._sum = [], None
+        self.broadcast = []
         logs.update(alpha=weights, step_norm=float(step),
                     mean_update_norm=float(norms[keep].mean()) if keep else 0.0)
         return logs

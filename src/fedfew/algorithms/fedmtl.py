@@ -46,7 +46,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
-from fedfew.algorithms._averaging import Averaging, WeightedSum, loss_row, proximal_term
+from fedfew.algorithms._averaging import WeightedSum
+from fedfew.algorithms._client_training import ClientTraining, loss_row, proximal_term
 from fedfew.algorithms._updates import check_number, finite_or_excluded
 from fedfew.data.base import ClientSplit
 from fedfew.core.model_set import assign_state_, flat_state, unflatten_like
@@ -71,7 +72,7 @@ def regulariser_gradient(W: torch.Tensor, omega: torch.Tensor, lam: float) -> to
 
 
 @ALGORITHMS.register("fedmtl")
-class FedMTL(Averaging):
+class FedMTL(ClientTraining):
     """Personal models with the mean-regularised MTL term; the server keeps their mean."""
 
     key_rules = {"lam": "number >= 0"}

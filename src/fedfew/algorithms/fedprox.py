@@ -15,7 +15,7 @@ Config (``conf/algorithm/fedprox.yaml``): ``mu_prox`` (default 0.01; the paper t
 from __future__ import annotations
 
 from fedfew.algorithms import ALGORITHMS
-from fedfew.algorithms._averaging import proximal_term
+from fedfew.algorithms._client_training import proximal_term
 from fedfew.algorithms.fedavg import FedAvg
 
 

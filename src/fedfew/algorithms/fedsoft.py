@@ -55,7 +55,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
-from fedfew.algorithms._averaging import Averaging, loss_row, proximal_term
+from fedfew.algorithms._averaging import Averaging
+from fedfew.algorithms._client_training import loss_row, proximal_term
 from fedfew.algorithms._updates import check_number, finite_or_excluded
 from fedfew.data.base import ClientSplit, FederatedData
 from fedfew.algorithms.base import Hint
@@ -164,7 +165,7 @@ class FedSoft(Averaging):
         ctx = self.ctx
         working = ctx.module.working
         u = self.importance(client, rnd)
-        centre = proximal_centre(u, self._server)
+        centre = proximal_centre(u, self.broadcast)
         if not self.load_personal(client, "personal"):
             assign_state_(working, centre)  # first participation: start at the proximal centre
         # the proximal term on the parameters (unflatten_like reads the first d entries of the state)
@@ -175,7 +176,7 @@ class FedSoft(Averaging):
             self.save_client(client.id, personal=w)
             n = float(ctx.num_train[client.id])
             for k, weight in enumerate(u.tolist()):
-                self._sum.add(k, weight * n, w - self._server[k])
+                self.weighted_sum.add(k, weight * n, w - self.broadcast[k])
         return {"loss": loss_row(loss), "importance": u.to(torch.float64)}
 
     def end_round(self, rnd: int, participants: list[int], rows: dict[str, torch.Tensor]) -> dict[str, Any]:

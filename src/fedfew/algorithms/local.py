@@ -18,25 +18,24 @@ from omegaconf import DictConfig
 from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
-from fedfew.algorithms._averaging import Averaging, loss_row
+from fedfew.algorithms._client_training import ClientTraining, loss_row
 from fedfew.data.base import ClientSplit
 from fedfew.core.model_set import flat_state
 
 
 @ALGORITHMS.register("local")
-class Local(Averaging):
+class Local(ClientTraining):
     """Per-client models trained in isolation (host state ``model``)."""
 
     key_rules: dict[str, str] = {}  # no keys of its own
 
     client_state = True
 
+    row_shapes = {"loss": lambda K: (1,)}
+
     @classmethod
     def communication(cls, cfg: DictConfig, model: nn.Module) -> tuple[int, int]:
         return 0, 0
-
-    def begin_round(self, rnd: int, participants: list[int]) -> None:
-        """Nothing is aggregated."""
 
     def client_update(self, client: ClientSplit, rnd: int) -> dict[str, torch.Tensor]:
         self.load_personal(client, "model")

@@ -18,7 +18,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
-from fedfew.algorithms._averaging import Averaging, loss_row
+from fedfew.algorithms._averaging import Averaging
+from fedfew.algorithms._client_training import loss_row
 from fedfew.data.base import ClientSplit
 from fedfew.core.model_set import state_numel
 

@@ -82,19 +82,19 @@ def test_communication_per_client_and_round():
 
 
 @pytest.mark.parametrize("algorithm,override,needle", [
-    ("fedamp", "algorithm.alphaK=0.0", "algorithm.alphaK=0.0 must be a number in (0, 1]"),
-    ("fedamp", "algorithm.sigma=0.0", "algorithm.sigma=0.0 must be a number > 0"),
-    ("fedamp", "algorithm.lam=-1.0", "algorithm.lam=-1.0 must be a number >= 0"),
-    ("fedmtl", "algorithm.lam=-0.5", "algorithm.lam=-0.5 must be a number >= 0"),
-    ("cfl", "algorithm.max_clusters=0", "algorithm.max_clusters=0 must be an integer >= 1"),
-    ("cfl", "algorithm.warmup=-1", "algorithm.warmup=-1 must be an integer >= 0"),
-    ("cfl", "algorithm.eps_2=-0.1", "algorithm.eps_2=-0.1 must be a number >= 0"),
-    ("fedsoft", "algorithm.sigma=0.5", "algorithm.sigma=0.5 must be a number in (0, 0.333333]"),
-    ("fedsoft", "algorithm.estimate_every=0", "algorithm.estimate_every=0 must be an integer >= 1"),
-    ("fedsoft", "algorithm.score=best", "algorithm.score='best'; allowed: personal, centres"),
-    ("fedmgda", "algorithm.epsilon=-0.1", "algorithm.epsilon=-0.1 must be a number >= 0"),
-    ("fedmgda", "algorithm.server_lr=0.0", "algorithm.server_lr=0.0 must be a number > 0"),
-    ("fedmgda", "algorithm.prior=sizes", "algorithm.prior='sizes'; allowed: uniform, samples"),
+    ("fedamp", "algorithm.alphaK=0.0", "algorithm.alphaK=0.0: allowed number in (0, 1]"),
+    ("fedamp", "algorithm.sigma=0.0", "algorithm.sigma=0.0: allowed number > 0"),
+    ("fedamp", "algorithm.lam=-1.0", "algorithm.lam=-1.0: allowed number >= 0"),
+    ("fedmtl", "algorithm.lam=-0.5", "algorithm.lam=-0.5: allowed number >= 0"),
+    ("cfl", "algorithm.max_clusters=0", "algorithm.max_clusters=0: allowed integer >= 1"),
+    ("cfl", "algorithm.warmup=-1", "algorithm.warmup=-1: allowed integer >= 0"),
+    ("cfl", "algorithm.eps_2=-0.1", "algorithm.eps_2=-0.1: allowed number >= 0"),
+    ("fedsoft", "algorithm.sigma=0.5", "algorithm.sigma=0.5 > 1/algorithm.K = 0.333333"),
+    ("fedsoft", "algorithm.estimate_every=0", "algorithm.estimate_every=0: allowed integer >= 1"),
+    ("fedsoft", "algorithm.score=best", "algorithm.score='best': allowed personal | centres"),
+    ("fedmgda", "algorithm.epsilon=-0.1", "algorithm.epsilon=-0.1: allowed number >= 0"),
+    ("fedmgda", "algorithm.server_lr=0.0", "algorithm.server_lr=0.0: allowed number > 0"),
+    ("fedmgda", "algorithm.prior=sizes", "algorithm.prior='sizes': allowed uniform | samples"),
 ])
 def test_bad_values_raise_value_error_naming_key_and_range(tmp_path, cpu_fabric, algorithm, override, needle):
     with pytest.raises(ValueError) as err:

@@ -93,8 +93,6 @@ class APFL(Averaging):
     def __init__(self, cfg, ctx) -> None:
         super().__init__(cfg, ctx)
         self.alpha0 = float(cfg.alpha)
-        if not 0.0 <= self.alpha0 <= 1.0:
-            raise ValueError(f"algorithm.alpha={self.alpha0} must be in [0, 1]")
         self.adaptive = bool(cfg.adaptive)
         lr = cfg.get("alpha_lr", None)
         self.alpha_lr = float(ctx.cfg.optim.lr if lr is None else lr)

@@ -41,6 +41,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from fedfew.data.base import ClientSplit, FederatedData
+from fedfew.core.allowed import check_value
 from fedfew.core.model_set import KModelSet, state_numel
 from fedfew.core.nonfinite import NonFiniteLog
 
@@ -125,9 +126,10 @@ class Algorithm:
     #: rows that :meth:`client_update` returns, name -> shape of one row given K
     row_shapes: dict[str, Callable[[int], tuple[int, ...]]] = {}
     #: the method's own keys (conf/algorithm/<name>.yaml) -> their allowed values in words, e.g.
-    #: ``{"lam": "number >= 0"}``: :func:`fedfew.config.rules.check_of` turns each into the check
-    #: validation runs before any data is read, and the docs table lists it (a literal: read from the
-    #: source, no import)
+    #: ``{"lam": "number >= 0"}``: :func:`fedfew.core.allowed.check_of` turns each into the check
+    #: validation runs before any data is read, the constructor runs it again (so a method built
+    #: directly gets the same error), and the docs table lists it (a literal: read from the source,
+    #: no import). A constructor checks only what the text cannot state (a bound that depends on K).
     key_rules: dict[str, str] = {}
 
     #: whether :class:`fedfew.reporting.collapse_watch.CollapseWatch` warns when a server model stops
@@ -144,6 +146,13 @@ class Algorithm:
     uses_engine: bool = False
 
     def __init__(self, cfg: DictConfig, ctx: Context) -> None:
+        """Raises:
+            ValueError: a declared key's value outside its :attr:`key_rules` text (the same
+                ``algorithm.<key>=<value>: allowed <text>`` as the config validation).
+        """
+        for key, allowed in type(self).key_rules.items():
+            if key in cfg:
+                check_value(f"algorithm.{key}", cfg[key], allowed)
         self.cfg = cfg
         self.ctx = ctx
 

@@ -56,7 +56,7 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import server_states
 from fedfew.algorithms._client_training import ClientTraining, loss_row
-from fedfew.algorithms._updates import check_number, finite_or_excluded, vector_row, vector_rows
+from fedfew.algorithms._updates import vector_row, vector_rows
 from fedfew.data.base import ClientSplit
 from fedfew.core.model_set import assign_state_, flat_state, state_numel
 
@@ -116,10 +116,10 @@ class CFL(ClientTraining):
 
     def __init__(self, cfg: DictConfig, ctx) -> None:
         super().__init__(cfg, ctx)
-        self.max_clusters = check_number(cfg, "max_clusters", 1, integer=True)
-        self.eps_1 = check_number(cfg, "eps_1", 0.0)
-        self.eps_2 = check_number(cfg, "eps_2", 0.0)
-        self.warmup = check_number(cfg, "warmup", 0, integer=True)
+        self.max_clusters = int(cfg.max_clusters)
+        self.eps_1 = float(cfg.eps_1)
+        self.eps_2 = float(cfg.eps_2)
+        self.warmup = int(cfg.warmup)
         #: (M,) int64 model slot of each client's cluster (host)
         self.membership = torch.zeros(len(ctx.num_train), dtype=torch.int64)
         #: d, the parameter part of each (D,) state-vector update (norms and similarities)
@@ -128,7 +128,7 @@ class CFL(ClientTraining):
 
     @staticmethod
     def num_models(cfg: DictConfig) -> int:
-        return check_number(cfg, "max_clusters", 1, integer=True)
+        return int(cfg.max_clusters)
 
     @classmethod
     def communication(cls, cfg: DictConfig, model: nn.Module) -> tuple[int, int]:
@@ -143,7 +143,7 @@ class CFL(ClientTraining):
         k = int(self.membership[client.id])
         loss = self.local_train(client, rnd, k)
         update = flat_state(self.ctx.module.working) - self.broadcast[k]
-        valid = finite_or_excluded(self.ctx, client.id, update)
+        valid = self.ctx.finite_or_reported(client.id, update, "local model")
         return {"loss": loss_row(loss), **vector_row(update, valid)}
 
     def end_round(self, rnd: int, participants: list[int], rows: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -42,8 +42,6 @@ class Ditto(Averaging):
     def __init__(self, cfg, ctx) -> None:
         super().__init__(cfg, ctx)
         self.lam = float(cfg.lam)
-        if self.lam < 0:
-            raise ValueError(f"algorithm.lam={self.lam} must be >= 0")
         epochs = cfg.get("personal_epochs", None)
         self.personal_epochs = int(ctx.cfg.local_epochs if epochs is None else epochs)
 

@@ -65,7 +65,7 @@ from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._client_training import ClientTraining, loss_row, proximal_term
-from fedfew.algorithms._updates import check_number, finite_or_excluded, vector_row, vector_rows
+from fedfew.algorithms._updates import vector_row, vector_rows
 from fedfew.data.base import ClientSplit
 from fedfew.core.model_set import flat_parameters, flat_state, unflatten_like
 
@@ -118,9 +118,9 @@ class FedAMP(ClientTraining):
 
     def __init__(self, cfg: DictConfig, ctx) -> None:
         super().__init__(cfg, ctx)
-        self.alphaK = check_number(cfg, "alphaK", 0.0, 1.0, low_open=True)
-        self.lam = check_number(cfg, "lam", 0.0)
-        self.sigma = check_number(cfg, "sigma", 0.0, low_open=True)
+        self.alphaK = float(cfg.alphaK)
+        self.lam = float(cfg.lam)
+        self.sigma = float(cfg.sigma)
         d = flat_parameters(ctx.module.models[0]).numel()
         self.row_shapes = {"loss": lambda K: (1,), **vector_rows(d)}
         self._mine: list[int] = []
@@ -145,7 +145,7 @@ class FedAMP(ClientTraining):
         penalty = proximal_term(unflatten_like(cloud, working), self.lam / self.alphaK) if self.lam > 0 else None
         loss = self.local_train(client, rnd, None, penalty=penalty, stream=0)
         personal = flat_state(working)  # parameters and the client's own BatchNorm statistics
-        valid = finite_or_excluded(self.ctx, client.id, personal)
+        valid = self.ctx.finite_or_reported(client.id, personal, "local model")
         if valid:
             self.save_client(client.id, personal=personal)
             self._mine.append(client.id)

@@ -76,10 +76,7 @@ class FedBN(FedAvg):
         if not has_batch_norm(ctx.module.working):
             raise ValueError(f"algorithm=fedbn needs a model with BatchNorm layers; model {ctx.cfg.model.name} has "
                              "none: use model.norm=batch (mlp, cnn) or model=resnet18, or algorithm=fedavg")
-        value = cfg.get("local_affine", True)
-        if not isinstance(value, bool):
-            raise ValueError(f"algorithm.local_affine={value!r} must be true or false")
-        self.local_affine = value
+        self.local_affine = bool(cfg.get("local_affine", True))
 
     @classmethod
     def communication(cls, cfg: DictConfig, model: nn.Module) -> tuple[int, int]:

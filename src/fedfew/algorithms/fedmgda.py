@@ -47,11 +47,10 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import server_states
 from fedfew.algorithms._client_training import ClientTraining, loss_row
-from fedfew.algorithms._updates import check_number, finite_or_excluded, vector_row, vector_rows
+from fedfew.algorithms._updates import vector_row, vector_rows
 from fedfew.data.base import ClientSplit
 from fedfew.core.model_set import assign_state_, flat_state, state_numel
 
-PRIORS = ("uniform", "samples")
 
 
 def project_simplex_box(v: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -144,12 +143,10 @@ class FedMGDA(ClientTraining):
 
     def __init__(self, cfg: DictConfig, ctx) -> None:
         super().__init__(cfg, ctx)
-        self.epsilon = check_number(cfg, "epsilon", 0.0)
-        self.server_lr = check_number(cfg, "server_lr", 0.0, low_open=True)
+        self.epsilon = float(cfg.epsilon)
+        self.server_lr = float(cfg.server_lr)
         self.normalize = bool(cfg.get("normalize", True))
         self.prior = str(cfg.get("prior", "uniform"))
-        if self.prior not in PRIORS:
-            raise ValueError(f"algorithm.prior={self.prior!r}; allowed: {', '.join(PRIORS)}")
         #: d, the parameter part of each (D,) state-vector update (the min-norm problem's)
         self.num_params = sum(p.numel() for p in ctx.module.models[0].parameters())
         self.row_shapes = {"loss": lambda K: (1,), **vector_rows(state_numel(ctx.module.models[0]))}
@@ -161,7 +158,7 @@ class FedMGDA(ClientTraining):
     def client_update(self, client: ClientSplit, rnd: int) -> dict[str, torch.Tensor]:
         loss = self.local_train(client, rnd, 0)
         update = flat_state(self.ctx.module.working) - self.broadcast[0]  # w_i - w = -g_i (then statistics)
-        valid = finite_or_excluded(self.ctx, client.id, update)
+        valid = self.ctx.finite_or_reported(client.id, update, "local model")
         return {"loss": loss_row(loss), **vector_row(update, valid)}
 
     def end_round(self, rnd: int, participants: list[int], rows: dict[str, torch.Tensor]) -> dict[str, Any]:

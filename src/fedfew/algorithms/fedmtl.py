@@ -48,7 +48,6 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import WeightedSum
 from fedfew.algorithms._client_training import ClientTraining, loss_row, proximal_term
-from fedfew.algorithms._updates import check_number, finite_or_excluded
 from fedfew.data.base import ClientSplit
 from fedfew.core.model_set import assign_state_, flat_state, unflatten_like
 
@@ -83,7 +82,7 @@ class FedMTL(ClientTraining):
 
     def __init__(self, cfg: DictConfig, ctx) -> None:
         super().__init__(cfg, ctx)
-        self.lam = check_number(cfg, "lam", 0.0)
+        self.lam = float(cfg.lam)
         self.M = len(ctx.num_train)
         # w^0 (the column of a client that never took part) and the float64 mean of all columns
         self._initial = flat_state(ctx.module.models[0]).double()
@@ -110,7 +109,7 @@ class FedMTL(ClientTraining):
             penalty = proximal_term(unflatten_like(others, working), self.lam * (1.0 - 1.0 / M))
         loss = self.local_train(client, rnd, None, penalty=penalty, stream=0)
         w_new = flat_state(working)
-        if finite_or_excluded(self.ctx, client.id, w_new):
+        if self.ctx.finite_or_reported(client.id, w_new, "local model"):
             self.save_client(client.id, personal=w_new)
             self._sum.add(0, 1.0, w_new.double() - w_old)
         return {"loss": loss_row(loss)}

@@ -28,8 +28,6 @@ class FedProx(FedAvg):
     def __init__(self, cfg, ctx) -> None:
         super().__init__(cfg, ctx)
         self.mu_prox = float(cfg.mu_prox)
-        if self.mu_prox < 0:
-            raise ValueError(f"algorithm.mu_prox={self.mu_prox} must be >= 0")
 
     def begin_round(self, rnd: int, participants: list[int]) -> None:
         super().begin_round(rnd, participants)

@@ -77,8 +77,6 @@ class FedRep(Averaging):
         super().__init__(cfg, ctx)
         _check_body_head(ctx.module.working)
         self.head_epochs = int(cfg.head_epochs)
-        if self.head_epochs < 0:
-            raise ValueError(f"algorithm.head_epochs={self.head_epochs} must be >= 0")
         # with a frozen, deterministic body the head phase is a linear model on fixed features
         self._cache_features = deterministic(ctx.module.working.body)
 

@@ -57,12 +57,10 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging
 from fedfew.algorithms._client_training import loss_row, proximal_term
-from fedfew.algorithms._updates import check_number, finite_or_excluded
 from fedfew.data.base import ClientSplit, FederatedData
 from fedfew.algorithms.base import Hint
 from fedfew.core.model_set import assign_state_, flat_state, state_numel, unflatten_like
 
-SCORES = ("personal", "centres")
 
 
 @torch.no_grad()
@@ -134,12 +132,13 @@ class FedSoft(Averaging):
     def __init__(self, cfg: DictConfig, ctx) -> None:
         super().__init__(cfg, ctx)
         K = ctx.module.K
-        self.lam = check_number(cfg, "lam", 0.0)
-        self.sigma = check_number(cfg, "sigma", 0.0, 1.0 / K, low_open=True)
-        self.estimate_every = check_number(cfg, "estimate_every", 1, integer=True)
+        self.lam = float(cfg.lam)
+        self.sigma = float(cfg.sigma)
+        if self.sigma > 1.0 / K:  # the one bound key_rules cannot state: it depends on K
+            raise ValueError(f"algorithm.sigma={cfg.sigma!r} > 1/algorithm.K = {1.0 / K:g}: the importance floor "
+                             "must be <= 1/K")
+        self.estimate_every = int(cfg.estimate_every)
         self.score = str(cfg.get("score", "personal"))
-        if self.score not in SCORES:
-            raise ValueError(f"algorithm.score={self.score!r}; allowed: {', '.join(SCORES)}")
 
     @staticmethod
     def num_models(cfg: DictConfig) -> int:
@@ -172,7 +171,7 @@ class FedSoft(Averaging):
         penalty = proximal_term(unflatten_like(centre, working), self.lam) if self.lam > 0 else None
         loss = self.local_train(client, rnd, None, penalty=penalty, stream="personal")
         w = flat_state(working)
-        if finite_or_excluded(ctx, client.id, w):
+        if ctx.finite_or_reported(client.id, w, "local model"):
             self.save_client(client.id, personal=w)
             n = float(ctx.num_train[client.id])
             for k, weight in enumerate(u.tolist()):

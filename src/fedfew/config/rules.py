@@ -5,13 +5,14 @@ every violated rule at once. The README's configuration table is :data:`RULES`.
 """
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from omegaconf import DictConfig, ListConfig
 
+from fedfew.core.allowed import check_of
+from fedfew.core.allowed import is_int as _is_int
+from fedfew.core.allowed import is_number as _is_number
 from fedfew.core.registry import declared, registered_names
 
 
@@ -19,16 +20,8 @@ class ConfigError(ValueError):
     """One or more config values are out of range; the message lists key, value and range."""
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_list(v: Any) -> bool:
     return isinstance(v, (list, tuple, ListConfig))
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 #: the package whose modules implement ``algorithm=<name>``
@@ -71,62 +64,6 @@ def _applies(rule: Rule, cfg: DictConfig) -> bool:
         return bool(rule.when(cfg))
     except Exception:
         return False
-
-
-_COMPARE = {">=": lambda a, b: a >= b, ">": lambda a, b: a > b, "<=": lambda a, b: a <= b, "<": lambda a, b: a < b}
-
-
-def _literal(token: str) -> Any:
-    """A choice token as it is compared: ``true``/``false`` as bools, anything else as a string."""
-    return {"true": True, "false": False}.get(token, token)
-
-
-def _one_check(spec: str) -> Callable[[Any], bool]:
-    """The check of one alternative of an allowed-values text (see :func:`check_of`)."""
-    kinds = {"integer": _is_int, "number": _is_number}
-    if spec == "null":
-        return lambda v: v is None
-    m = re.fullmatch(r"(integer|number) (>=|>|<=|<) (-?[0-9.]+)", spec)
-    if m:
-        kind, op, bound = kinds[m.group(1)], _COMPARE[m.group(2)], float(m.group(3))
-        return lambda v: kind(v) and op(v, bound)
-    m = re.fullmatch(r"(integer|number) in ([\[(])(-?[0-9.]+), (-?[0-9.]+)([\])])", spec)
-    if m:
-        kind, low, high = kinds[m.group(1)], float(m.group(3)), float(m.group(4))
-        above = _COMPARE[">=" if m.group(2) == "[" else ">"]
-        below = _COMPARE["<=" if m.group(5) == "]" else "<"]
-        return lambda v: kind(v) and above(v, low) and below(v, high)
-    tokens = [s.strip() for s in spec.split("|")]
-    if all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", s) for s in tokens):
-        choices = [_literal(s) for s in tokens]
-        return lambda v: any(v == c and type(v) is type(c) for c in choices)
-    raise ValueError(f"cannot read the allowed values {spec!r}: write 'integer >= 1', 'number > 0', "
-                     "'number in (0, 1]', 'a | b | c', 'null', or alternatives joined by ' or '")
-
-
-def check_of(allowed: str) -> Callable[[Any], bool]:
-    """The check that an allowed-values text states, so a method declares each key once, in words.
-
-    The text is alternatives joined by `` or `` (a comma before it is allowed), each one of
-    ``integer >= 1`` (also ``>``, ``<=``, ``<``), ``number in (0, 1]`` (brackets as in maths),
-    ``a | b | c`` (choices; ``true`` and ``false`` are booleans) or ``null``; a closing
-    parenthesis at the end is a note, not part of the check. E.g.
-    ``"integer >= 1, or auto (start with K_max models)"``.
-
-    Raises:
-        ValueError: a text this grammar cannot read (named).
-    """
-    spec = allowed.strip()
-    if spec.endswith(")"):  # a note: drop the balanced parenthesis that ends the text
-        depth = 0
-        for i in range(len(spec) - 1, -1, -1):
-            depth += {")": 1, "(": -1}.get(spec[i], 0)
-            if depth == 0:
-                break
-        if spec[:i].endswith(" ") and not spec[:i].rstrip().endswith((",", "in")):
-            spec = spec[:i].strip()
-    checks = [_one_check(part.strip().rstrip(",").strip()) for part in spec.replace(", or ", " or ").split(" or ")]
-    return lambda v: any(check(v) for check in checks)
 
 
 def algorithm_rules(name: str) -> list[Rule]:

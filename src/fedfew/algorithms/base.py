@@ -150,11 +150,22 @@ class Algorithm:
             ValueError: a declared key's value outside its :attr:`key_rules` text (the same
                 ``algorithm.<key>=<value>: allowed <text>`` as the config validation).
         """
-        for key, allowed in type(self).key_rules.items():
+        for key in type(self).key_rules:
             if key in cfg:
-                check_value(f"algorithm.{key}", cfg[key], allowed)
+                self.option(cfg, key)
         self.cfg = cfg
         self.ctx = ctx
+
+    @classmethod
+    def option(cls, cfg: DictConfig, key: str) -> Any:
+        """``cfg[key]``, checked against its :attr:`key_rules` text (for code that runs before the
+        constructor, e.g. :meth:`num_models`).
+
+        Raises:
+            ValueError: ``algorithm.<key>=<value>: allowed <text>``.
+        """
+        check_value(f"algorithm.{key}", cfg[key], cls.key_rules[key])
+        return cfg[key]
 
     @staticmethod
     def num_models(cfg: DictConfig) -> int:

@@ -126,9 +126,9 @@ class CFL(ClientTraining):
         self.num_params = sum(p.numel() for p in ctx.module.models[0].parameters())
         self.row_shapes = {"loss": lambda K: (1,), **vector_rows(state_numel(ctx.module.models[0]))}
 
-    @staticmethod
-    def num_models(cfg: DictConfig) -> int:
-        return int(cfg.max_clusters)
+    @classmethod
+    def num_models(cls, cfg: DictConfig) -> int:
+        return int(cls.option(cfg, "max_clusters"))
 
     @classmethod
     def communication(cls, cfg: DictConfig, model: nn.Module) -> tuple[int, int]:

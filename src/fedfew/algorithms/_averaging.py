@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fedfew.algorithms.base import Algorithm
+from fedfew.algorithms.round_log import Kind
 from fedfew.data.base import ClientSplit
 from fedfew.core.distributed import all_reduce_
 from fedfew.core.local_training import train_local
@@ -105,6 +106,8 @@ class Averaging(Algorithm):
     """
 
     row_shapes = {"loss": lambda K: (K,)}
+    #: the weight each server model's average got this round (sum of the n_i that trained it)
+    log_keys = {**Algorithm.log_keys, "weight_per_model": Kind.PER_MODEL}
 
     #: True for methods with per-client host state (personal models, heads); that state stays
     #: on the process that owns the client (the round loop never moves a client)

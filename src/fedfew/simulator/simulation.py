@@ -5,7 +5,8 @@ One round (every rank runs the same code on its own clients)::
     participants (seeded per round)  ->  this rank's clients (balanced by n_i)
     -> alg.client_update(client)  for each of them         (local training)
     -> rows gathered in client order (all-reduce of disjoint rows)
-    -> alg.end_round(...)                                   (aggregation + server step)
+    -> alg.end_round(...)                                   (aggregation + server step; its round log is
+                                                            checked against alg.log_keys: fedfew.algorithms.round_log)
     -> callbacks: on_round_end (metrics file, loggers, progress)
     -> every eval_every rounds and at the end: selection + personalized accuracy
 
@@ -25,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms.base import Algorithm, Context
+from fedfew.algorithms.round_log import Kind, check_round_log, declared
 from fedfew.core.checkpoint import (StopSignal, check_resume_config, checkpoint_path, rng_states, save_checkpoint,
                                set_rng_states)
 from fedfew.data.base import FederatedData
@@ -142,6 +144,13 @@ class Simulation:
     def num_clients(self) -> int:
         return self.host_data.num_clients
 
+    @property
+    def log_keys(self) -> dict[str, Kind]:
+        """Every key a round log of this run may hold, with its kind: the loop's and the
+        algorithm's declared ones (:func:`fedfew.algorithms.round_log.declared`); the sinks write
+        each key by it."""
+        return declared(self.algorithm)
+
     def my_clients(self, participants: list[int]) -> list[int]:
         """The participants this rank trains: each client belongs to one rank for the whole run
         (balanced over all M clients), so per-client host state never changes process."""
@@ -170,24 +179,27 @@ class Simulation:
                               torch.zeros(shape(self.module.K), dtype=torch.float64, device=self.fabric.device))
             for name, shape in self.algorithm.row_shapes.items()
         }
+        models = self.algorithm.model_count  # before end_round, which may retire one (K=auto)
         logs = self.algorithm.end_round(rnd, participants, gathered)
+        check_round_log(self.algorithm, logs, len(participants), models)
         flags = torch.tensor([1.0 if c in self.nonfinite.reported_this_round() else 0.0 for c in participants],
                              dtype=torch.float64, device=self.fabric.device)
         reported = [c for c, f in zip(participants, all_reduce_(flags, "max").tolist()) if f > 0]
         self.nonfinite.end_round(participants, set(reported))
         logs.update(round=rnd, participants=participants, round_time_s=time.perf_counter() - start,
                     lr=self.module.lr, nonfinite_clients=reported)
-        logs.update(self._spent(len(participants), steps.count, models=logs.get("K")))
+        logs.update(self._spent(len(participants), steps.count, models))
         return logs
 
-    def _spent(self, num_participants: int, steps: int, models: int | None = None) -> dict[str, int]:
+    def _spent(self, num_participants: int, steps: int, models: int) -> dict[str, int]:
         """This round's budget (every rank gets the same): bytes sent up and down by all its
         participants, local SGD steps (summed over ranks; absent with the vmap engine), and
         their running totals (continued across a resume from the restored history).
-        ``models``: the server models the round used when fewer than at the start (FedFew's
-        K=auto retires models; its communication is proportional to K)."""
+        ``models``: the server models the round used (:attr:`Algorithm.model_count`); the
+        communication is counted for the models at the start and scaled by models / initial K
+        (FedFew's K=auto retires models; its communication is proportional to K)."""
         prev = self.history[-1] if self.history else {}
-        share = (int(models), self.module.initial_K) if models else (1, 1)
+        share = (int(models), self.module.initial_K)
         out: dict[str, int] = {"bytes_up": self.communication.bytes_up * num_participants * share[0] // share[1],
                                "bytes_down": self.communication.bytes_down * num_participants * share[0] // share[1]}
         if self.count_steps:

@@ -91,9 +91,10 @@ def test_per_model_and_per_client_keys_land_the_same_way_whatever_P(P, tmp_path,
     assert len(logs["participants"]) == P and logs["weight_per_model"].shape == (K,)
 
     # metrics.csv: per-model vectors one column per model, per-client values their mean
+    view = sim.view()  # what the callbacks see of the run
     files = ResultFiles(tmp_path)
-    files.on_fit_start(sim)
-    files.on_round_end(sim, 1, logs, None)
+    files.on_fit_start(view)
+    files.on_round_end(view, 1, logs, None)
     row = metrics(tmp_path)
     for name in ("spread", "weight_per_model", "effective_step", "clients_served"):
         assert [f"{name}/{k}" in row for k in range(K)] == [True] * K, name
@@ -103,8 +104,8 @@ def test_per_model_and_per_client_keys_land_the_same_way_whatever_P(P, tmp_path,
 
     # W&B (offline: what the monitor would log): the same per-model names, the per-client value in the
     # round table and as its mean, no per-model vector among the per-client columns
-    monitor = WandbMonitor(clients=client_info(sim))
-    payload = monitor.round_payload(sim, 1, logs, None)
+    monitor = WandbMonitor(clients=client_info(view))
+    payload = monitor.round_payload(view, 1, logs, None)
     assert [payload[f"spread/{k}"] for k in range(K)] == [0.1, 0.2, 0.3]
     assert [payload[f"weight_per_model/{k}"] for k in range(K)] == logs["weight_per_model"].tolist()
     assert payload["train/score_mean"] == pytest.approx((P - 1) / 2)
@@ -115,7 +116,7 @@ def test_per_model_and_per_client_keys_land_the_same_way_whatever_P(P, tmp_path,
 
     # the console: the same line, from the same scalars
     console = ConsoleReport(plain=True)
-    console.log_keys = sim.log_keys
+    console.log_keys = view.log_keys
     line = console.progress_line(1, 2, logs, None, now=0.0)
     loss = logs["loss"].double()
     assert line.startswith(f"round 1/2  loss {float(loss.mean()):.4f}  train ")

@@ -133,7 +133,7 @@ def test_end_of_run_prints_headline_figures_speeds_and_where(tmp_path, capsys, m
 
 
 def fake_sim(rounds: int, run_dir: Path, start_round: int = 1):
-    return SimpleNamespace(fabric=SimpleNamespace(global_rank=0), cfg=SimpleNamespace(rounds=rounds),
+    return SimpleNamespace(rank=0, cfg=SimpleNamespace(rounds=rounds),
                            start_round=start_round, run_dir=run_dir,
                            log_keys={**LOOP_KEYS, "g": Kind.SCALAR, "loss": Kind.PER_CLIENT_MODEL})
 

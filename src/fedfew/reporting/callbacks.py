@@ -2,7 +2,8 @@
 final table.
 
 Fabric calls ``on_fit_start(sim)``, ``on_round_end(sim, round, logs, evaluation)`` and
-``on_fit_end(sim, results)`` on each callback; only rank 0 writes or prints.
+``on_fit_end(sim, results)`` on each callback, ``sim`` being the run's
+:class:`fedfew.simulator.run_view.RunView`; only rank 0 writes or prints.
 
 Files in the run directory (all written atomically, see :mod:`fedfew.core.io`):
 
@@ -25,7 +26,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import OmegaConf
@@ -33,6 +34,9 @@ from omegaconf import OmegaConf
 from fedfew.algorithms.round_log import LOOP_KEYS, Kind, LogKeys, classify, is_scalar
 from fedfew.core.io import atomic_write_json, atomic_write_text, to_jsonable
 from fedfew.core.nonfinite import describe as describe_nonfinite
+
+if TYPE_CHECKING:
+    from fedfew.simulator.run_view import RunView
 
 SUMMARY_KEYS = ("acc_mean", "acc_std", "acc_min", "acc_max", "acc_weighted", "majority_acc_mean")
 #: round-log keys written by their own rule rather than by their kind (fedfew.algorithms.round_log.STANDARD_KINDS):
@@ -123,7 +127,7 @@ def round_scalars(logs: dict[str, Any], evaluation: dict[str, Any] | None, keys:
     return {**train_scalars(logs, keys), **eval_scalars(evaluation)}
 
 
-def client_info(sim) -> list[dict[str, Any]]:
+def client_info(sim: RunView) -> list[dict[str, Any]]:
     """Per client: id, n_train, n_test and the label counts of its train split."""
     data = sim.host_data
     targets = torch.as_tensor(data.targets).cpu()
@@ -150,7 +154,7 @@ def evaluation_record(round: int, evaluation: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def build_history(sim, rounds: list[dict[str, Any]], evaluations: list[dict[str, Any]],
+def build_history(sim: RunView, rounds: list[dict[str, Any]], evaluations: list[dict[str, Any]],
                   clients: list[dict[str, Any]]) -> dict[str, Any]:
     """The content of ``history.json``::
 
@@ -210,8 +214,8 @@ class ResultFiles:
         self.evaluations: list[dict[str, Any]] = []
         self.clients: list[dict[str, Any]] = []
 
-    def on_fit_start(self, sim) -> None:
-        if sim.fabric.global_rank != 0:
+    def on_fit_start(self, sim: RunView) -> None:
+        if sim.rank != 0:
             return
         atomic_write_text(self.run_dir / "config.yaml", OmegaConf.to_yaml(sim.cfg, resolve=True))
         self.clients = client_info(sim)
@@ -229,8 +233,8 @@ class ResultFiles:
             {"round": r, "summary": to_jsonable(s), "acc": None, "model": None} for r, s in summaries.items() if r not in known
         ], key=lambda e: e["round"])
 
-    def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
-        if sim.fabric.global_rank != 0:
+    def on_round_end(self, sim: RunView, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
+        if sim.rank != 0:
             return
         self.rows.append(metrics_row(logs, evaluation, sim.log_keys))
         fields: list[str] = []
@@ -246,18 +250,18 @@ class ResultFiles:
             self.evaluations.append(evaluation_record(round, evaluation))
             self.write_history(sim)
 
-    def write_history(self, sim) -> dict[str, Any]:
+    def write_history(self, sim: RunView) -> dict[str, Any]:
         """Write ``history.json`` now; returns its content."""
         history = build_history(sim, self.rounds, self.evaluations, self.clients)
         atomic_write_json(self.run_dir / "history.json", history)
         return history
 
-    def on_interrupt(self, sim, round: int) -> None:
-        if sim.fabric.global_rank == 0:
+    def on_interrupt(self, sim: RunView, round: int) -> None:
+        if sim.rank == 0:
             self.write_history(sim)
 
-    def on_fit_end(self, sim, results: dict[str, Any]) -> None:
-        if sim.fabric.global_rank == 0:
+    def on_fit_end(self, sim: RunView, results: dict[str, Any]) -> None:
+        if sim.rank == 0:
             if not self.evaluations or self.evaluations[-1]["round"] != results["summary"].get("rounds"):
                 # the final evaluation came after the round callbacks (e.g. resumed at the end)
                 self.evaluations.append(evaluation_record(results["summary"].get("rounds", 0), results))
@@ -282,9 +286,9 @@ class PlotFiles:
         self.last = float("-inf")
         self.written: list[Path] = []
 
-    def on_fit_start(self, sim) -> None:
+    def on_fit_start(self, sim: RunView) -> None:
         logger_cfg = sim.cfg.get("logger") or {}
-        self.enabled = sim.fabric.global_rank == 0 and bool(logger_cfg.get("plots", True))
+        self.enabled = sim.rank == 0 and bool(logger_cfg.get("plots", True))
         chosen = logger_cfg.get("plot_rounds")
         self.rounds = [int(r) for r in chosen] if chosen else None
 
@@ -299,16 +303,16 @@ class PlotFiles:
         self.last = time.monotonic()
         return self.written
 
-    def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
+    def on_round_end(self, sim: RunView, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
         if self.enabled and evaluation is not None and round < int(sim.cfg.rounds) \
                 and time.monotonic() - self.last >= self.interval_s:
             self.draw()
 
-    def on_interrupt(self, sim, round: int) -> None:
+    def on_interrupt(self, sim: RunView, round: int) -> None:
         if self.enabled:
             self.draw()
 
-    def on_fit_end(self, sim, results: dict[str, Any]) -> None:
+    def on_fit_end(self, sim: RunView, results: dict[str, Any]) -> None:
         if self.enabled:
             self.draw()
 
@@ -327,20 +331,20 @@ class LoggerBridge:
     """
 
     @staticmethod
-    def _loggers(sim) -> list:
-        return [lg for lg in sim.fabric.loggers if not _is_wandb(lg)] if sim.fabric.global_rank == 0 else []
+    def _loggers(sim: RunView) -> list:
+        return [lg for lg in sim.loggers if not _is_wandb(lg)] if sim.rank == 0 else []
 
-    def on_fit_start(self, sim) -> None:
+    def on_fit_start(self, sim: RunView) -> None:
         for logger in self._loggers(sim):
             if hasattr(logger, "start_at"):  # fedfew.reporting.loggers.RoundCSVLogger: keep the rows before a resume
                 logger.start_at(getattr(sim, "start_round", 1))
             logger.log_hyperparams(OmegaConf.to_container(sim.cfg, resolve=True))
 
-    def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
+    def on_round_end(self, sim: RunView, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
         for logger in self._loggers(sim):
             logger.log_metrics(round_scalars(logs, evaluation, sim.log_keys), step=round)
 
-    def on_fit_end(self, sim, results: dict[str, Any]) -> None:
+    def on_fit_end(self, sim: RunView, results: dict[str, Any]) -> None:
         for logger in self._loggers(sim):
             logger.log_metrics({f"final/{k}": results["summary"][k] for k in SUMMARY_KEYS},
                                step=int(results["summary"].get("rounds", len(sim.history))))
@@ -388,8 +392,8 @@ class ConsoleReport:
         self._train_s = 0.0
         self.log_keys: LogKeys = LOOP_KEYS
 
-    def on_fit_start(self, sim) -> None:
-        if sim.fabric.global_rank != 0:
+    def on_fit_start(self, sim: RunView) -> None:
+        if sim.rank != 0:
             return
         self.log_keys = sim.log_keys
         from rich.console import Console
@@ -434,8 +438,8 @@ class ConsoleReport:
         self._last_time, self._last_round, self._train_s = now, round, 0.0
         return "  ".join(parts)
 
-    def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
-        if sim.fabric.global_rank != 0:
+    def on_round_end(self, sim: RunView, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
+        if sim.rank != 0:
             return
         now = time.monotonic()
         total = int(sim.cfg.rounds)
@@ -455,8 +459,8 @@ class ConsoleReport:
         info += f"train {float(logs.get('round_time_s', 0.0)):.2f} s/round"
         self.progress.update(self.task, completed=round, info=info)
 
-    def on_interrupt(self, sim, round: int) -> None:
-        if sim.fabric.global_rank != 0:
+    def on_interrupt(self, sim: RunView, round: int) -> None:
+        if sim.rank != 0:
             return
         if self.progress is not None:
             self.progress.stop()
@@ -465,8 +469,8 @@ class ConsoleReport:
         clear_running(sim.run_dir)
         print("\n".join(where_lines(sim.run_dir, finished=False)), flush=True)
 
-    def on_fit_end(self, sim, results: dict[str, Any]) -> None:
-        if sim.fabric.global_rank != 0:
+    def on_fit_end(self, sim: RunView, results: dict[str, Any]) -> None:
+        if sim.rank != 0:
             return
         self.progress.stop()
         from fedfew.core.run_folders import clear_running

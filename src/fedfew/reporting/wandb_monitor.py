@@ -53,7 +53,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -61,6 +61,9 @@ from omegaconf import OmegaConf
 
 from fedfew.algorithms.round_log import Kind, LogKeys, classify
 from fedfew.reporting.callbacks import client_info, eval_scalars, train_scalars
+
+if TYPE_CHECKING:
+    from fedfew.simulator.run_view import RunView
 
 TRAIN_NAMES = {"train_loss_mean": "train/loss_mean", "train_loss_best_mean": "train/loss_best_mean"}
 #: largest M for which the alpha-over-rounds line chart is logged at the end
@@ -155,13 +158,13 @@ class WandbMonitor:
 
     # -- callbacks -----------------------------------------------------------------------------
 
-    def on_fit_start(self, sim) -> None:
+    def on_fit_start(self, sim: RunView) -> None:
         from fedfew.reporting.loggers import WandbLogger
 
-        if sim.fabric.global_rank != 0:
+        if sim.rank != 0:
             return
         self.log_keys = sim.log_keys
-        self.loggers = [lg for lg in sim.fabric.loggers if isinstance(lg, WandbLogger)]
+        self.loggers = [lg for lg in sim.loggers if isinstance(lg, WandbLogger)]
         if not self.loggers:
             return
         cfg = sim.cfg.get("logger") or {}
@@ -188,18 +191,18 @@ class WandbMonitor:
         if "assignment" in columns:
             self.previous_assignment.update(zip(participants, columns["assignment"][:, 0].astype(int).tolist()))
 
-    def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
+    def on_round_end(self, sim: RunView, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
         if not self.loggers:
             return
         payload = self._guard("round payload", lambda: self.round_payload(sim, round, logs, evaluation))
         self._log(payload, round)
 
-    def on_interrupt(self, sim, round: int) -> None:
+    def on_interrupt(self, sim: RunView, round: int) -> None:
         for logger in self.loggers:
             logger.finalize("interrupted")
         self.loggers = []
 
-    def on_fit_end(self, sim, results: dict[str, Any]) -> None:
+    def on_fit_end(self, sim: RunView, results: dict[str, Any]) -> None:
         if not self.loggers:
             return
         step = int(results["summary"].get("rounds") or len(sim.history))
@@ -213,7 +216,7 @@ class WandbMonitor:
 
     # -- payloads ------------------------------------------------------------------------------
 
-    def round_payload(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> dict[str, Any]:
+    def round_payload(self, sim: RunView, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> dict[str, Any]:
         """Everything logged for one round (see the module docstring)."""
         import wandb
 
@@ -276,7 +279,7 @@ class WandbMonitor:
             rows.append(row)
         return wandb.Table(columns=names, data=rows)
 
-    def final_payload(self, sim, results: dict[str, Any]) -> dict[str, Any]:
+    def final_payload(self, sim: RunView, results: dict[str, Any]) -> dict[str, Any]:
         """The end-of-run tables and charts."""
         import wandb
 

@@ -34,6 +34,7 @@ from fedfew.data.federated import build_federated_data, to_device
 from fedfew.core.distributed import all_reduce_, gather_rows, merge_dicts
 from fedfew.core.budget import StepCounter, communication
 from fedfew.simulator.evaluation import EvalSettings, best_round, evaluate_clients, reported
+from fedfew.simulator.run_view import RunView
 from fedfew.core.io import atomic_torch_save
 from fedfew.models import MODELS, DataInfo
 from fedfew.core.model_set import KModelSet, round_lr
@@ -87,8 +88,8 @@ class Simulation:
 
     Args:
         cfg: the full validated run config.
-        fabric: a launched Fabric (its callbacks receive ``on_round_end``, ``on_evaluate``,
-            ``on_fit_end``).
+        fabric: a launched Fabric (its callbacks receive ``on_fit_start``, ``on_round_end``,
+            ``on_interrupt`` and ``on_fit_end``, each with the run's :class:`RunView` as ``sim``).
         run_dir: where rank 0 writes results.
         data: optional prebuilt data (tests); built from ``cfg`` otherwise.
     """
@@ -150,6 +151,14 @@ class Simulation:
         algorithm's declared ones (:func:`fedfew.algorithms.round_log.declared`); the sinks write
         each key by it."""
         return declared(self.algorithm)
+
+    def view(self) -> RunView:
+        """What the callbacks see of this run (:class:`fedfew.simulator.run_view.RunView`): it
+        shares this run's history, evaluations and logger state, which grow as the rounds run."""
+        return RunView(cfg=self.cfg, run_dir=self.run_dir, rank=self.fabric.global_rank, loggers=list(self.fabric.loggers),
+                       host_data=self.host_data, log_keys=self.log_keys, start_round=self.start_round,
+                       history=self.history, evaluations=self.evaluations, logger_state=self.logger_state,
+                       module=self.module, algorithm=self.algorithm)
 
     def my_clients(self, participants: list[int]) -> list[int]:
         """The participants this rank trains: each client belongs to one rank for the whole run
@@ -330,7 +339,8 @@ class Simulation:
             the final evaluation (``clients``, ``summary``), last logs and timings.
         """
         cfg, fabric = self.cfg, self.fabric
-        fabric.call("on_fit_start", sim=self)
+        view = self.view()  # what the callbacks see (fedfew.simulator.run_view)
+        fabric.call("on_fit_start", sim=view)
         every = int(cfg.get("checkpoint_every") or 0)
         self.stop_signal.install()
         evaluation: dict[str, Any] | None = None
@@ -345,14 +355,14 @@ class Simulation:
                     evaluation = self.evaluate(rnd)
                     self.evaluations.append(self._evaluation_entry(rnd, evaluation))
                 self.wall_time_s += time.perf_counter() - start
-                fabric.call("on_round_end", sim=self, round=rnd, logs=logs, evaluation=evaluation)
+                fabric.call("on_round_end", sim=view, round=rnd, logs=logs, evaluation=evaluation)
                 stop = self._stop_requested()
                 if (every and rnd % every == 0) or stop:
                     self.save_checkpoint(rnd)
                 if self.nonfinite.stopped_at is not None:  # diverged: nothing finite reaches the server any more
                     break
                 if stop and rnd < int(cfg.rounds):
-                    fabric.call("on_interrupt", sim=self, round=rnd)
+                    fabric.call("on_interrupt", sim=view, round=rnd)
                     return {"interrupted": True, "round": rnd, "signal": self.stop_signal.signum}
         finally:
             self.stop_signal.uninstall()
@@ -400,5 +410,5 @@ class Simulation:
             }
         if cfg.get("save_models", False) and fabric.global_rank == 0:
             atomic_torch_save(self.run_dir / "models.pt", [m.state_dict() for m in self.module.models])
-        fabric.call("on_fit_end", sim=self, results=results)
+        fabric.call("on_fit_end", sim=view, results=results)
         return results

@@ -184,8 +184,7 @@ def test_collapse_warning_names_only_keys_the_run_has_not_set(capsys, algorithm,
     from fedfew.reporting.collapse_watch import CollapseWatch
 
     cfg = compose_config(f"algorithm={algorithm}", "algorithm.K=4", *overrides)
-    sim = SimpleNamespace(algorithm=ALGORITHMS.get(algorithm), cfg=cfg, fabric=SimpleNamespace(global_rank=0),
-                          module=SimpleNamespace(K=4))
+    sim = SimpleNamespace(algorithm=ALGORITHMS.get(algorithm), cfg=cfg, rank=0, module=SimpleNamespace(K=4))
     watch = CollapseWatch()
     watch.on_fit_start(sim)
     watch.on_round_end(sim, 10, {}, {"summary": {"models_served": [0, 5, 15, 0]}})

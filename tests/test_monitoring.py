@@ -17,9 +17,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from fedfew.algorithms.round_log import LOOP_KEYS, Kind
 from fedfew.reporting.callbacks import round_scalars
 from fedfew.reporting.wandb_monitor import (
-    WandbMonitor, client_columns, find_wandb_runs, load_table, per_model_scalars, read_wandb_run, wandb_scalars,
+    WandbMonitor, client_columns, find_wandb_runs, load_table, read_wandb_run, wandb_scalars,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,9 +153,14 @@ def baseline_logs(P: int = 4, K: int = 2) -> dict:
     }
 
 
+#: what a baseline returning :func:`baseline_logs` declares, and the loop's keys
+BASELINE_KEYS = {**LOOP_KEYS, "loss": Kind.PER_CLIENT_MODEL, "assignment": Kind.PER_CLIENT,
+                 "weight_per_model": Kind.PER_MODEL, "personal_loss": Kind.PER_CLIENT, "global_loss_mean": Kind.SCALAR}
+
+
 def test_round_scalars_and_wandb_names_are_generic():
     logs = baseline_logs()
-    s = round_scalars(logs, None)
+    s = round_scalars(logs, None, BASELINE_KEYS)
     assert s["round"] == 2 and s["global_loss_mean"] == 0.7 and "g" not in s
     assert s["personal_loss_mean"] == pytest.approx(0.25)  # Ditto-like per-client value: its mean
     assert s["train_loss_mean"] == pytest.approx(0.35) and s["train_loss_best_mean"] == pytest.approx(0.3)
@@ -162,19 +168,21 @@ def test_round_scalars_and_wandb_names_are_generic():
     evaluation = {"summary": {"acc_mean": 0.5, "acc_std": 0.1, "acc_min": 0.3, "acc_max": 0.7, "acc_weighted": 0.55,
                               "majority_acc_mean": 0.2, "global_acc_mean": 0.4, "models_served": [3, 1]},
                   "clients": []}
-    w = wandb_scalars(logs, evaluation)
+    w = wandb_scalars(logs, evaluation, BASELINE_KEYS)
     assert w["train/global_loss_mean"] == 0.7 and w["train/loss_mean"] == pytest.approx(0.35)
     assert w["train/personal_loss_mean"] == pytest.approx(0.25)
     assert w["eval/acc_mean"] == 0.5 and w["eval/global_acc_mean"] == 0.4
     assert [w["eval/models_served/0"], w["eval/models_served/1"]] == [3, 1]
     assert not any(k.startswith("alpha") for k in w)
-    cols = client_columns(logs)
+    cols = client_columns(logs, BASELINE_KEYS)
     assert list(cols) == ["loss", "assignment", "personal_loss"]
-    assert per_model_scalars(logs, 2) == {"weight_per_model/0": 0.25, "weight_per_model/1": 0.75}
+    assert [s["weight_per_model/0"], s["weight_per_model/1"]] == [0.25, 0.75]  # per-model: one column per model
+    assert [w["weight_per_model/0"], w["weight_per_model/1"]] == [0.25, 0.75]
 
 
 def test_round_payload_for_a_baseline_has_assignment_but_no_alpha():
-    sim = SimpleNamespace(module=SimpleNamespace(K=2), num_clients=4, cfg=OmegaConf.create({"rounds": 5}))
+    sim = SimpleNamespace(module=SimpleNamespace(K=2), num_clients=4, cfg=OmegaConf.create({"rounds": 5}),
+                          log_keys=BASELINE_KEYS)
     monitor = WandbMonitor(clients=[{"n_train": 10 + i} for i in range(4)])
     first = monitor.round_payload(sim, 1, {**baseline_logs(), "round": 1}, None)
     assert first["assignment/changed"] == 0

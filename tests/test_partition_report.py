@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _sim(*overrides: str, rank: int = 0, loggers=()):
     cfg = compose_config("dataset=digits", *overrides)
     data = build_federated_data(cfg)
-    return SimpleNamespace(cfg=cfg, host_data=data, fabric=SimpleNamespace(global_rank=rank, loggers=list(loggers)))
+    return SimpleNamespace(cfg=cfg, host_data=data, rank=rank, loggers=list(loggers))  # as a RunView has them
 
 
 def _run(sim, run_dir: Path) -> str:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fedfew import runs as runs_cli
+from fedfew.algorithms.round_log import LOOP_KEYS, Kind
 from fedfew.core import run_folders
 from fedfew.experiments import run_list
 from fedfew.reporting.callbacks import ConsoleReport, print_client_table
@@ -132,8 +133,9 @@ def test_end_of_run_prints_headline_figures_speeds_and_where(tmp_path, capsys, m
 
 
 def fake_sim(rounds: int, run_dir: Path, start_round: int = 1):
-    return SimpleNamespace(fabric=SimpleNamespace(global_rank=0), cfg=SimpleNamespace(rounds=rounds),
-                           start_round=start_round, run_dir=run_dir)
+    return SimpleNamespace(rank=0, cfg=SimpleNamespace(rounds=rounds),
+                           start_round=start_round, run_dir=run_dir,
+                           log_keys={**LOOP_KEYS, "g": Kind.SCALAR, "loss": Kind.PER_CLIENT_MODEL})
 
 
 def test_plain_progress_lines_at_most_every_interval_but_always_evaluations(tmp_path, capsys, monkeypatch):

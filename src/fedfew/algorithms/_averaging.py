@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fedfew.algorithms._client_training import ClientTraining
+from fedfew.algorithms.round_log import Kind
 from fedfew.core.distributed import all_reduce_
 from fedfew.core.model_set import assign_state_, assign_tensors_, flatten_tensors, state_tensors
 from fedfew.data.base import ClientSplit
@@ -92,6 +93,8 @@ class Averaging(ClientTraining):
     """
 
     row_shapes = {"loss": lambda K: (K,)}
+    #: the weight each server model's average got this round (sum of the n_i that trained it)
+    log_keys = {**ClientTraining.log_keys, "weight_per_model": Kind.PER_MODEL}
 
     def shared(self, model: nn.Module) -> nn.Module:
         """The part of a model that the server averages (default: all of it)."""

@@ -43,6 +43,7 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging
 from fedfew.algorithms._client_training import loss_row
+from fedfew.algorithms.round_log import Kind
 from fedfew.data.base import ClientSplit
 from fedfew.core.local_training import batch_bounds
 from fedfew.core.model_set import assign_state_, flat_state, has_batch_norm
@@ -89,6 +90,8 @@ class APFL(Averaging):
     client_state = True
 
     row_shapes = {"loss": lambda K: (1,), "alpha": lambda K: (1,)}
+    #: client_alpha: each participant's mixing weight alpha_i after the round
+    log_keys = {**Averaging.log_keys, "loss": Kind.PER_CLIENT, "client_alpha": Kind.PER_CLIENT}
 
     def __init__(self, cfg, ctx) -> None:
         super().__init__(cfg, ctx)

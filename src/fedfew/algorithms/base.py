@@ -5,7 +5,8 @@ A round, as driven by :mod:`fedfew.simulator.simulation`::
     alg.begin_round(round, participants)
     rows = alg.train_clients(this rank's participants, round)   # rows keyed by client id
     gathered = gather rows of all ranks (participants x ...), in client order
-    logs = alg.end_round(round, participants, gathered)
+    K = alg.model_count                                           # the server models of this round
+    logs = alg.end_round(round, participants, gathered)          # checked against alg.log_keys
 
 and at evaluation time each client is scored with ``alg.candidates(client)``: the model(s) it
 may use; the one with the lowest eval-mode loss on the client's selection split is chosen.
@@ -16,7 +17,9 @@ The hooks a method fills in, and nothing else:
 - ``client_update``: what a client does with the broadcast state (its local training);
   ``train_clients`` runs it over the round's cohort, one client at a time, unless a method
   trains several clients at once (FedFew's engines override it);
-- ``end_round``: how the server aggregates what the clients sent;
+- ``end_round``: how the server aggregates what the clients sent; it returns the round log,
+  every key of which the method declares in ``log_keys`` with its kind
+  (:mod:`fedfew.algorithms.round_log`: scalar, per_client, per_model, per_client_model, record);
 - ``candidates``: which model(s) a client is scored with;
 - ``model_assignment``: which server model a client counts as served by (default: its pick);
 - per-client state that persists between rounds (personal heads, personal models) goes
@@ -40,6 +43,7 @@ from omegaconf import OmegaConf
 from omegaconf import DictConfig
 from torch import nn
 
+from fedfew.algorithms.round_log import Kind
 from fedfew.data.base import ClientSplit, FederatedData
 from fedfew.core.allowed import check_value
 from fedfew.core.model_set import KModelSet, state_numel
@@ -125,6 +129,12 @@ class Algorithm:
 
     #: rows that :meth:`client_update` returns, name -> shape of one row given K
     row_shapes: dict[str, Callable[[int], tuple[int, ...]]] = {}
+    #: every key :meth:`end_round` may return -> its kind (:mod:`fedfew.algorithms.round_log`); the
+    #: sinks write each key by its kind, and the round loop stops the run on an undeclared key or a
+    #: value of the wrong shape. A subclass extends its parent's: ``{**Parent.log_keys, "x": Kind.SCALAR}``.
+    #: Every method logs ``loss``, its participants' training losses: one per server model each one
+    #: trained, (P, K); a method whose clients train one model each declares it per_client, (P, 1)
+    log_keys: dict[str, Kind] = {"loss": Kind.PER_CLIENT_MODEL}
     #: the method's own keys (conf/algorithm/<name>.yaml) -> their allowed values in words, e.g.
     #: ``{"lam": "number >= 0"}``: :func:`fedfew.core.allowed.check_of` turns each into the check
     #: validation runs before any data is read, the constructor runs it again (so a method built
@@ -172,6 +182,14 @@ class Algorithm:
         """How many server models the algorithm keeps (FedFew: K)."""
         return 1
 
+    @property
+    def model_count(self) -> int:
+        """The server models of the round about to end: the K of its per-model and
+        per-client-model log values and of its communication. The round loop reads it before
+        :meth:`end_round`, which may retire a model (FedFew's ``K=auto``). Default: the models the
+        module holds."""
+        return int(self.ctx.module.K)
+
     def begin_round(self, rnd: int, participants: list[int]) -> None:
         """Called on every rank before local training; ``participants`` are client ids."""
 
@@ -189,7 +207,8 @@ class Algorithm:
         return {client.id: self.client_update(client, rnd) for client in clients}
 
     def end_round(self, rnd: int, participants: list[int], rows: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Server aggregation on every rank (identical result everywhere); returns logs.
+        """Server aggregation on every rank (identical result everywhere); returns the round log,
+        whose keys :attr:`log_keys` declares.
 
         ``rows[name]`` has shape (len(participants), ...) in the order of ``participants``.
         """

@@ -57,6 +57,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import server_states
 from fedfew.algorithms._client_training import ClientTraining, loss_row
 from fedfew.algorithms._updates import vector_row, vector_rows
+from fedfew.algorithms.round_log import Kind
 from fedfew.data.base import ClientSplit
 from fedfew.core.model_set import assign_state_, flat_state, state_numel
 
@@ -113,6 +114,12 @@ class CFL(ClientTraining):
                  "eps_1": "number >= 0",
                  "eps_2": "number >= 0",
                  "warmup": "integer >= 0"}
+
+    #: assignment: each participant's cluster slot; effective_step: 1 for the slots that moved; the
+    #: mean and max update norms of each cluster (the split criterion); clusters, splits, blocked splits
+    log_keys = {"loss": Kind.PER_CLIENT, "assignment": Kind.PER_CLIENT, "effective_step": Kind.PER_MODEL,
+                "mean_update_norm": Kind.PER_MODEL, "max_update_norm": Kind.PER_MODEL,
+                "num_clusters": Kind.SCALAR, "splits": Kind.SCALAR, "splits_blocked": Kind.SCALAR}
 
     def __init__(self, cfg: DictConfig, ctx) -> None:
         super().__init__(cfg, ctx)

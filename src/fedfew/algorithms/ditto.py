@@ -24,6 +24,7 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging
 from fedfew.algorithms._client_training import loss_row, proximal_term
+from fedfew.algorithms.round_log import Kind
 from fedfew.data.base import ClientSplit
 from fedfew.core.model_set import flat_state
 
@@ -38,6 +39,7 @@ class Ditto(Averaging):
     client_state = True
 
     row_shapes = {"loss": lambda K: (1,), "personal_loss": lambda K: (1,)}
+    log_keys = {**Averaging.log_keys, "loss": Kind.PER_CLIENT, "personal_loss": Kind.PER_CLIENT}
 
     def __init__(self, cfg, ctx) -> None:
         super().__init__(cfg, ctx)

@@ -66,6 +66,7 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._client_training import ClientTraining, loss_row, proximal_term
 from fedfew.algorithms._updates import vector_row, vector_rows
+from fedfew.algorithms.round_log import Kind
 from fedfew.data.base import ClientSplit
 from fedfew.core.model_set import flat_parameters, flat_state, unflatten_like
 
@@ -113,6 +114,9 @@ class FedAMP(ClientTraining):
     key_rules = {"alphaK": "number in (0, 1]",
                  "lam": "number >= 0",
                  "sigma": "number > 0 (attention scale)"}
+
+    #: the mean squared distance between the participants' models, and each one's largest neighbour weight
+    log_keys = {"loss": Kind.PER_CLIENT, "mean_sq_distance": Kind.SCALAR, "neighbour_weight": Kind.PER_CLIENT}
 
     client_state = True
 

@@ -83,6 +83,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging
 from fedfew.algorithms._client_training import loss_row
 from fedfew.algorithms.fedsoft import per_sample_losses
+from fedfew.algorithms.round_log import Kind
 from fedfew.data.base import ClientSplit, FederatedData
 from fedfew.core.local_training import batch_bounds
 from fedfew.core.model_set import KModelSet, has_batch_norm
@@ -197,6 +198,10 @@ class FedEM(Averaging):
                      "component's step shrinks with them (its loss is q-weighted): docs/algorithms.md")
 
     row_shapes = {"loss": lambda K: (K,), "pi": lambda K: (K,), "nll": lambda K: (1,)}
+    #: w: the participants' mixture weights pi_ik; assignment: argmax_k pi_ik; nll: each one's negative
+    #: log-likelihood; effective_step: the n_i-weighted mean of pi_ik per component
+    log_keys = {**Averaging.log_keys, "w": Kind.PER_CLIENT_MODEL, "assignment": Kind.PER_CLIENT,
+                "nll": Kind.PER_CLIENT, "effective_step": Kind.PER_MODEL}
 
     @staticmethod
     def num_models(cfg: DictConfig) -> int:

@@ -59,6 +59,7 @@ import torch
 from fedfew.core.aggregation import LogWeightedSum
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms.base import Algorithm, Context
+from fedfew.algorithms.round_log import Kind
 from fedfew.stch.auto_k import AutoK
 from fedfew.data.base import ClientSplit
 from fedfew.algorithms.base import Hint
@@ -99,6 +100,15 @@ class FedFew(Algorithm):
                  "normalize": "true | false (true: each model moves by the weighted mean of its deltas)"}
 
     row_shapes = {"loss": lambda K: (K,)}
+    #: excluded: participants left out for non-finite results; model_ids: the ids of this round's models
+    #: (the columns of w and loss, the entries of the per-model vectors, the values of assignment); K, mu:
+    #: the round's; g: the STCH-Set value; alpha (P), w (P x K): the weights; the models' effective step
+    #: and weight share sum_i alpha_i w_ik; set_diagnostics'; K=auto: the text of a retirement
+    log_keys = {"loss": Kind.PER_CLIENT_MODEL, "excluded": Kind.RECORD, "model_ids": Kind.RECORD,
+                "K": Kind.SCALAR, "mu": Kind.SCALAR, "g": Kind.SCALAR, "alpha": Kind.PER_CLIENT,
+                "w": Kind.PER_CLIENT_MODEL, "assignment": Kind.PER_CLIENT, "effective_step": Kind.PER_MODEL,
+                "weight_share": Kind.PER_MODEL, "effective_clients": Kind.PER_MODEL, "models_in_use": Kind.SCALAR,
+                "loss_gap_mean": Kind.SCALAR, "model_distance_mean": Kind.SCALAR, "model_set_change": Kind.RECORD}
     uses_engine = True
     watch_collapse = True
     collapse_keys = (Hint("algorithm.normalize", True, "each model moves by the weighted mean of its deltas; the "

@@ -48,6 +48,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import server_states
 from fedfew.algorithms._client_training import ClientTraining, loss_row
 from fedfew.algorithms._updates import vector_row, vector_rows
+from fedfew.algorithms.round_log import Kind
 from fedfew.data.base import ClientSplit
 from fedfew.core.model_set import assign_state_, flat_state, state_numel
 
@@ -140,6 +141,10 @@ class FedMGDA(ClientTraining):
                  "server_lr": "number > 0",
                  "normalize": "true | false",
                  "prior": "uniform | samples"}
+
+    #: alpha: the min-norm weights lambda_i of the participants; the server step's norm; the mean update norm
+    log_keys = {"loss": Kind.PER_CLIENT, "alpha": Kind.PER_CLIENT, "step_norm": Kind.SCALAR,
+                "mean_update_norm": Kind.SCALAR}
 
     def __init__(self, cfg: DictConfig, ctx) -> None:
         super().__init__(cfg, ctx)

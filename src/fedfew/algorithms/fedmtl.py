@@ -48,6 +48,7 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import WeightedSum
 from fedfew.algorithms._client_training import ClientTraining, loss_row, proximal_term
+from fedfew.algorithms.round_log import Kind
 from fedfew.data.base import ClientSplit
 from fedfew.core.model_set import assign_state_, flat_state, unflatten_like
 
@@ -79,6 +80,8 @@ class FedMTL(ClientTraining):
     client_state = True
 
     row_shapes = {"loss": lambda K: (1,)}
+    #: clients_moved: the participants whose (finite) personal model moved the server's mean this round
+    log_keys = {"loss": Kind.PER_CLIENT, "clients_moved": Kind.SCALAR}
 
     def __init__(self, cfg: DictConfig, ctx) -> None:
         super().__init__(cfg, ctx)

@@ -57,6 +57,7 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging
 from fedfew.algorithms._client_training import loss_row, proximal_term
+from fedfew.algorithms.round_log import Kind
 from fedfew.data.base import ClientSplit, FederatedData
 from fedfew.algorithms.base import Hint
 from fedfew.core.model_set import assign_state_, flat_state, state_numel, unflatten_like
@@ -128,6 +129,8 @@ class FedSoft(Averaging):
     collapse_keys = (Hint("algorithm.init", "independent"), Hint("algorithm.K", change="a smaller"))
 
     row_shapes = {"loss": lambda K: (1,), "importance": lambda K: (K,)}
+    #: w: the participants' importance weights u_ik; assignment: argmax_k u_ik
+    log_keys = {**Averaging.log_keys, "loss": Kind.PER_CLIENT, "w": Kind.PER_CLIENT_MODEL, "assignment": Kind.PER_CLIENT}
 
     def __init__(self, cfg: DictConfig, ctx) -> None:
         super().__init__(cfg, ctx)

@@ -27,6 +27,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging
 from fedfew.data.base import ClientSplit
 from fedfew.algorithms.base import Hint
+from fedfew.algorithms.round_log import Kind
 from fedfew.core.local_training import evaluate_model
 from fedfew.core.model_set import state_numel
 
@@ -42,6 +43,9 @@ class IFCA(Averaging):
 
     key_rules = {"K": "integer >= 1",
                  "init": "independent | identical"}
+    #: assignment: the model each participant trained (its lowest train loss); effective_step: 1 for the
+    #: models some participant trained
+    log_keys = {**Averaging.log_keys, "assignment": Kind.PER_CLIENT, "effective_step": Kind.PER_MODEL}
 
     watch_collapse = True
     collapse_keys = (Hint("algorithm.init", "independent", "identical models send every client to model 0"),

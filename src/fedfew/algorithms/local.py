@@ -19,6 +19,7 @@ from torch import nn
 
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._client_training import ClientTraining, loss_row
+from fedfew.algorithms.round_log import Kind
 from fedfew.data.base import ClientSplit
 from fedfew.core.model_set import flat_state
 
@@ -28,6 +29,7 @@ class Local(ClientTraining):
     """Per-client models trained in isolation (host state ``model``)."""
 
     key_rules: dict[str, str] = {}  # no keys of its own
+    log_keys = {"loss": Kind.PER_CLIENT}  # each client trains its own model; nothing is averaged
 
     client_state = True
 

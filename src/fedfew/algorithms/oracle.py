@@ -20,6 +20,7 @@ from torch import nn
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms._averaging import Averaging
 from fedfew.algorithms._client_training import loss_row
+from fedfew.algorithms.round_log import Kind
 from fedfew.data.base import ClientSplit
 from fedfew.core.model_set import state_numel
 
@@ -36,6 +37,9 @@ class Oracle(Averaging):
     key_rules = {"K": "integer >= 1 (= partition.groups)"}
 
     row_shapes = {"loss": lambda K: (1,)}
+    #: assignment: each participant's true group; effective_step: 1 for the groups with a participant
+    log_keys = {**Averaging.log_keys, "loss": Kind.PER_CLIENT, "assignment": Kind.PER_CLIENT,
+                "effective_step": Kind.PER_MODEL}
 
     def __init__(self, cfg: DictConfig, ctx) -> None:
         super().__init__(cfg, ctx)

@@ -43,6 +43,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from omegaconf import DictConfig, OmegaConf
 
+from fedfew.algorithms.round_log import check_round_log
 from fedfew.data.base import ClientSplit, FederatedData
 from fedfew.flower.client import accumulators
 from fedfew.flower.records import from_record, pack, to_record
@@ -371,12 +372,14 @@ class FlowerSimulation(Simulation):
         gathered = {name: gather_rows(rows.get(name, {}), len(answered),
                                       torch.zeros(shape(self.module.K), dtype=torch.float64, device=device))
                     for name, shape in alg.row_shapes.items()}
+        models = alg.model_count  # before end_round, which may retire one (K=auto)
         logs = alg.end_round(rnd, answered, gathered)
+        check_round_log(alg, logs, len(answered), models)
         reported = sorted(self.nonfinite.reported_this_round())
         self.nonfinite.end_round(answered, set(reported))
         logs.update(round=rnd, participants=answered, round_time_s=time.perf_counter() - start,
                     lr=self.module.lr, nonfinite_clients=reported)
-        logs.update(self._spent(len(answered), steps, models=logs.get("K")))
+        logs.update(self._spent(len(answered), steps, models))
         return logs
 
     def evaluate(self, rnd: int) -> dict[str, Any]:

@@ -2,15 +2,17 @@
 final table.
 
 Fabric calls ``on_fit_start(sim)``, ``on_round_end(sim, round, logs, evaluation)`` and
-``on_fit_end(sim, results)`` on each callback; only rank 0 writes or prints.
+``on_fit_end(sim, results)`` on each callback, ``sim`` being the run's
+:class:`fedfew.simulator.run_view.RunView`; only rank 0 writes or prints.
 
 Files in the run directory (all written atomically, see :mod:`fedfew.core.io`):
 
     config.yaml    the resolved run config (at the start)
-    metrics.csv    one row of scalars per round (:func:`round_scalars`), after every round
+    metrics.csv    one row of scalars per round (:func:`round_scalars`: each round-log key by
+                   the kind its algorithm declares, :mod:`fedfew.algorithms.round_log`), after every round
     history.json   every round's logs (g, alpha, w, loss, assignment, ... whatever the
-                   algorithm returns) and every evaluation's per-client accuracy
-                   (:func:`build_history`), at each evaluation and at the end
+                   algorithm returns, and their declared kinds) and every evaluation's per-client
+                   accuracy (:func:`build_history`), at each evaluation and at the end
     results.json   final per-client results and summary, at the end
     plots/*.png    pictures (:mod:`fedfew.reporting.plots`), at evaluations (at most every
                    :data:`PLOT_INTERVAL_S` seconds) and at the end, when ``logger.plots``
@@ -20,41 +22,46 @@ from __future__ import annotations
 import csv
 import io
 import json
-import numbers
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import OmegaConf
 
+from fedfew.algorithms.round_log import LOOP_KEYS, Kind, LogKeys, classify, is_scalar
 from fedfew.core.io import atomic_write_json, atomic_write_text, to_jsonable
 from fedfew.core.nonfinite import describe as describe_nonfinite
 
+if TYPE_CHECKING:
+    from fedfew.simulator.run_view import RunView
+
 SUMMARY_KEYS = ("acc_mean", "acc_std", "acc_min", "acc_max", "acc_weighted", "majority_acc_mean")
-#: keys of an algorithm's round logs that are not extra scalars of its own
-#: per-model vectors (K,) of the round logs, written as ``<name>/<k>``: the fraction of a client
-#: step each model took, FedFew's sum_i alpha_i w_ik and its effective number of clients per model
-PER_MODEL_KEYS = ("effective_step", "weight_share", "effective_clients")
-STANDARD_LOG_KEYS = frozenset({"round", "round_time_s", "lr", "g", "loss", "alpha", "w", "assignment",
-                               "participants", *PER_MODEL_KEYS})
+#: round-log keys written by their own rule rather than by their kind (fedfew.algorithms.round_log.STANDARD_KINDS):
+#: the round, its time and lr come first, g and the loss next; alpha and w have no mean column,
+#: the assignment becomes clients_served/<k>; model_ids name the per-model columns
+OWN_RULE_KEYS = frozenset({"round", "round_time_s", "lr", "g", "loss", "alpha", "w", "assignment", "model_ids",
+                           "model_set_change"})
 HISTORY_VERSION = 1
 #: least wall time between two redraws of the PNGs during a run (the end always redraws)
 PLOT_INTERVAL_S = 30.0
 
 
-def _is_scalar(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and value.dim() == 0
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+def train_scalars(logs: dict[str, Any], keys: LogKeys) -> dict[str, float]:
+    """Scalars of one round's logs, each key written by its declared kind (``keys``:
+    :func:`fedfew.algorithms.round_log.declared`; :func:`~fedfew.algorithms.round_log.classify`
+    checks the log against it): round, time, lr, g, the mean losses (``train_loss_mean`` and the
+    participants' mean of their best model's, ``train_loss_best_mean``), then every per-model
+    vector as ``<name>/<model id>``, the clients each model serves (``clients_served/<k>``, from
+    the assignment), every other scalar under its name and the mean over participants of every
+    other per-client value (``<name>_mean``).
 
-
-def train_scalars(logs: dict[str, Any]) -> dict[str, float]:
-    """Scalars of one round's logs: round, time, lr, g, mean losses, per-model effective step
-    and clients served, plus any other scalar an algorithm logs (under its own name) and the
-    mean over participants of any other per-client tensor it logs (``<name>_mean``)."""
+    Raises:
+        RoundLogError: a key ``keys`` does not declare, or a value not of its kind.
+    """
+    kinds = classify(logs, keys)
     out: dict[str, float] = {"round": logs["round"], "round_time_s": logs["round_time_s"], "lr": logs["lr"]}
     if "g" in logs:
         out["g"] = float(logs["g"])
@@ -64,25 +71,26 @@ def train_scalars(logs: dict[str, Any]) -> dict[str, float]:
         out["train_loss_mean"] = float(loss.mean())
         out["train_loss_best_mean"] = float(loss.min(dim=1).values.mean())
     ids = logs.get("model_ids")  # FedFew: original model ids (K=auto retires models; a column keeps its model)
-    for name in PER_MODEL_KEYS:
-        if isinstance(logs.get(name), torch.Tensor):
-            out.update({f"{name}/{k}": float(v) for k, v in zip(ids or range(len(logs[name])), logs[name].tolist())})
+    models = 0  # the round's K, from its per-model vectors
+    for name, kind in kinds.items():
+        if kind is Kind.PER_MODEL and name not in OWN_RULE_KEYS:
+            values = logs[name].tolist()
+            models = len(values)
+            out.update({f"{name}/{k}": float(v) for k, v in zip(ids or range(len(values)), values)})
     if isinstance(logs.get("assignment"), torch.Tensor):
         assignment = logs["assignment"].long().flatten()
         if ids is not None:  # the assignment holds model ids
             out.update({f"clients_served/{k}": int((assignment == k).sum()) for k in ids})
         else:
-            minlength = len(logs["effective_step"]) if isinstance(logs.get("effective_step"), torch.Tensor) else 0
-            for k, v in enumerate(torch.bincount(assignment, minlength=minlength).tolist()):
+            for k, v in enumerate(torch.bincount(assignment, minlength=models).tolist()):
                 out[f"clients_served/{k}"] = v
-    num_participants = len(logs.get("participants") or [])
-    for key, value in logs.items():
-        if key in STANDARD_LOG_KEYS or key in out:
+    for key, kind in kinds.items():
+        if key in OWN_RULE_KEYS or key in out:
             continue
-        if _is_scalar(value):
+        value = logs[key]
+        if kind is Kind.SCALAR:
             out[key] = float(value)
-        elif (isinstance(value, torch.Tensor) and value.dim() >= 1 and value.is_floating_point()
-              and len(value) == num_participants > 0):
+        elif kind in (Kind.PER_CLIENT, Kind.PER_CLIENT_MODEL) and value.numel() > 0:
             out[f"{key}_mean"] = float(value.double().mean())  # a per-client value, e.g. Ditto's personal_loss
     return out
 
@@ -96,7 +104,7 @@ def eval_scalars(evaluation: dict[str, Any] | None) -> dict[str, float]:
     summary = evaluation["summary"]
     out = {key: summary[key] for key in SUMMARY_KEYS}
     for key, value in summary.items():
-        if key not in out and _is_scalar(value):
+        if key not in out and is_scalar(value):
             out[key] = float(value)
     for protocol, scored in (evaluation.get("also") or {}).items():
         for key in ("acc_mean", "acc_weighted", "acc_min"):
@@ -104,21 +112,22 @@ def eval_scalars(evaluation: dict[str, Any] | None) -> dict[str, float]:
     return out
 
 
-def metrics_row(logs: dict[str, Any], evaluation: dict[str, Any] | None) -> dict[str, Any]:
+def metrics_row(logs: dict[str, Any], evaluation: dict[str, Any] | None, keys: LogKeys) -> dict[str, Any]:
     """One metrics.csv row: :func:`round_scalars` plus, in a round where K=auto retired a
     model, its ``model_set_change`` text (fedfew.stch.auto_k)."""
-    row: dict[str, Any] = round_scalars(logs, evaluation)
+    row: dict[str, Any] = round_scalars(logs, evaluation, keys)
     if logs.get("model_set_change"):
         row["model_set_change"] = str(logs["model_set_change"])
     return row
 
 
-def round_scalars(logs: dict[str, Any], evaluation: dict[str, Any] | None) -> dict[str, float]:
-    """The scalar metrics of one round (what metrics.csv and the loggers get)."""
-    return {**train_scalars(logs), **eval_scalars(evaluation)}
+def round_scalars(logs: dict[str, Any], evaluation: dict[str, Any] | None, keys: LogKeys) -> dict[str, float]:
+    """The scalar metrics of one round (what metrics.csv and the loggers get); ``keys``: the
+    run's declared round-log keys (:func:`train_scalars`)."""
+    return {**train_scalars(logs, keys), **eval_scalars(evaluation)}
 
 
-def client_info(sim) -> list[dict[str, Any]]:
+def client_info(sim: RunView) -> list[dict[str, Any]]:
     """Per client: id, n_train, n_test and the label counts of its train split."""
     data = sim.host_data
     targets = torch.as_tensor(data.targets).cpu()
@@ -145,11 +154,12 @@ def evaluation_record(round: int, evaluation: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def build_history(sim, rounds: list[dict[str, Any]], evaluations: list[dict[str, Any]],
+def build_history(sim: RunView, rounds: list[dict[str, Any]], evaluations: list[dict[str, Any]],
                   clients: list[dict[str, Any]]) -> dict[str, Any]:
     """The content of ``history.json``::
 
-        {"version", "algorithm", "dataset", "num_clients" (M), "K", "num_classes",
+        {"version", "algorithm", "dataset", "num_clients" (M), "K", "model_ids", "num_classes",
+         "log_keys":    {key: kind} of every key a round may hold (fedfew.algorithms.round_log),
          "clients":     [{"id", "n_train", "n_test", "label_counts"}],
          "rounds":      [{"round", "participants", "round_time_s", "lr", and what the
                           algorithm logs, e.g. FedFew: "g", "alpha" (P), "w" (P x K),
@@ -171,6 +181,7 @@ def build_history(sim, rounds: list[dict[str, Any]], evaluations: list[dict[str,
         "K": int(getattr(sim.module, "initial_K", sim.module.K)),  # model ids 0..K-1 (K=auto: K_max)
         "model_ids": list(getattr(sim.module, "model_ids", range(sim.module.K))),  # the models left at the end
         "num_classes": int(sim.host_data.num_classes),
+        "log_keys": {key: Kind(kind).value for key, kind in sim.log_keys.items()},  # each round key's kind
         "clients": clients,
         "rounds": rounds,
         "evaluations": evaluations,
@@ -203,8 +214,8 @@ class ResultFiles:
         self.evaluations: list[dict[str, Any]] = []
         self.clients: list[dict[str, Any]] = []
 
-    def on_fit_start(self, sim) -> None:
-        if sim.fabric.global_rank != 0:
+    def on_fit_start(self, sim: RunView) -> None:
+        if sim.rank != 0:
             return
         atomic_write_text(self.run_dir / "config.yaml", OmegaConf.to_yaml(sim.cfg, resolve=True))
         self.clients = client_info(sim)
@@ -214,18 +225,18 @@ class ResultFiles:
         before = [logs for logs in getattr(sim, "history", []) if logs.get("round", 0) < start]
         summaries = {int(e["round"]): {k: v for k, v in e.items() if k != "round"}
                      for e in getattr(sim, "evaluations", []) if e.get("round", 0) < start}
-        self.rows = [metrics_row(logs, {"summary": summaries[logs["round"]]} if logs["round"] in summaries else None)
-                     for logs in before]
+        self.rows = [metrics_row(logs, {"summary": summaries[logs["round"]]} if logs["round"] in summaries else None,
+                                 sim.log_keys) for logs in before]
         self.rounds = [round_record(logs) for logs in before] if before else rounds
         known = {e["round"] for e in evaluations}
         self.evaluations = sorted(evaluations + [
             {"round": r, "summary": to_jsonable(s), "acc": None, "model": None} for r, s in summaries.items() if r not in known
         ], key=lambda e: e["round"])
 
-    def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
-        if sim.fabric.global_rank != 0:
+    def on_round_end(self, sim: RunView, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
+        if sim.rank != 0:
             return
-        self.rows.append(metrics_row(logs, evaluation))
+        self.rows.append(metrics_row(logs, evaluation, sim.log_keys))
         fields: list[str] = []
         for row in self.rows:
             fields += [k for k in row if k not in fields]
@@ -239,18 +250,18 @@ class ResultFiles:
             self.evaluations.append(evaluation_record(round, evaluation))
             self.write_history(sim)
 
-    def write_history(self, sim) -> dict[str, Any]:
+    def write_history(self, sim: RunView) -> dict[str, Any]:
         """Write ``history.json`` now; returns its content."""
         history = build_history(sim, self.rounds, self.evaluations, self.clients)
         atomic_write_json(self.run_dir / "history.json", history)
         return history
 
-    def on_interrupt(self, sim, round: int) -> None:
-        if sim.fabric.global_rank == 0:
+    def on_interrupt(self, sim: RunView, round: int) -> None:
+        if sim.rank == 0:
             self.write_history(sim)
 
-    def on_fit_end(self, sim, results: dict[str, Any]) -> None:
-        if sim.fabric.global_rank == 0:
+    def on_fit_end(self, sim: RunView, results: dict[str, Any]) -> None:
+        if sim.rank == 0:
             if not self.evaluations or self.evaluations[-1]["round"] != results["summary"].get("rounds"):
                 # the final evaluation came after the round callbacks (e.g. resumed at the end)
                 self.evaluations.append(evaluation_record(results["summary"].get("rounds", 0), results))
@@ -275,9 +286,9 @@ class PlotFiles:
         self.last = float("-inf")
         self.written: list[Path] = []
 
-    def on_fit_start(self, sim) -> None:
+    def on_fit_start(self, sim: RunView) -> None:
         logger_cfg = sim.cfg.get("logger") or {}
-        self.enabled = sim.fabric.global_rank == 0 and bool(logger_cfg.get("plots", True))
+        self.enabled = sim.rank == 0 and bool(logger_cfg.get("plots", True))
         chosen = logger_cfg.get("plot_rounds")
         self.rounds = [int(r) for r in chosen] if chosen else None
 
@@ -292,16 +303,16 @@ class PlotFiles:
         self.last = time.monotonic()
         return self.written
 
-    def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
+    def on_round_end(self, sim: RunView, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
         if self.enabled and evaluation is not None and round < int(sim.cfg.rounds) \
                 and time.monotonic() - self.last >= self.interval_s:
             self.draw()
 
-    def on_interrupt(self, sim, round: int) -> None:
+    def on_interrupt(self, sim: RunView, round: int) -> None:
         if self.enabled:
             self.draw()
 
-    def on_fit_end(self, sim, results: dict[str, Any]) -> None:
+    def on_fit_end(self, sim: RunView, results: dict[str, Any]) -> None:
         if self.enabled:
             self.draw()
 
@@ -320,20 +331,20 @@ class LoggerBridge:
     """
 
     @staticmethod
-    def _loggers(sim) -> list:
-        return [lg for lg in sim.fabric.loggers if not _is_wandb(lg)] if sim.fabric.global_rank == 0 else []
+    def _loggers(sim: RunView) -> list:
+        return [lg for lg in sim.loggers if not _is_wandb(lg)] if sim.rank == 0 else []
 
-    def on_fit_start(self, sim) -> None:
+    def on_fit_start(self, sim: RunView) -> None:
         for logger in self._loggers(sim):
             if hasattr(logger, "start_at"):  # fedfew.reporting.loggers.RoundCSVLogger: keep the rows before a resume
                 logger.start_at(getattr(sim, "start_round", 1))
             logger.log_hyperparams(OmegaConf.to_container(sim.cfg, resolve=True))
 
-    def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
+    def on_round_end(self, sim: RunView, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
         for logger in self._loggers(sim):
-            logger.log_metrics(round_scalars(logs, evaluation), step=round)
+            logger.log_metrics(round_scalars(logs, evaluation, sim.log_keys), step=round)
 
-    def on_fit_end(self, sim, results: dict[str, Any]) -> None:
+    def on_fit_end(self, sim: RunView, results: dict[str, Any]) -> None:
         for logger in self._loggers(sim):
             logger.log_metrics({f"final/{k}": results["summary"][k] for k in SUMMARY_KEYS},
                                step=int(results["summary"].get("rounds", len(sim.history))))
@@ -379,10 +390,12 @@ class ConsoleReport:
         self._last_round = 0
         self._first_round = 1
         self._train_s = 0.0
+        self.log_keys: LogKeys = LOOP_KEYS
 
-    def on_fit_start(self, sim) -> None:
-        if sim.fabric.global_rank != 0:
+    def on_fit_start(self, sim: RunView) -> None:
+        if sim.rank != 0:
             return
+        self.log_keys = sim.log_keys
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -408,7 +421,7 @@ class ConsoleReport:
                       now: float) -> str:
         """The plain progress line of ``round`` (see the class docstring); resets the per-line
         averages."""
-        scalars = train_scalars(logs)
+        scalars = train_scalars(logs, self.log_keys)
         rounds = max(1, round - self._last_round)
         parts = [f"round {round}/{total}"]
         if "train_loss_mean" in scalars:
@@ -425,8 +438,8 @@ class ConsoleReport:
         self._last_time, self._last_round, self._train_s = now, round, 0.0
         return "  ".join(parts)
 
-    def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
-        if sim.fabric.global_rank != 0:
+    def on_round_end(self, sim: RunView, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
+        if sim.rank != 0:
             return
         now = time.monotonic()
         total = int(sim.cfg.rounds)
@@ -439,15 +452,15 @@ class ConsoleReport:
             if due:
                 print(self.progress_line(round, total, logs, evaluation, now), flush=True)
             return
-        scalars = train_scalars(logs)
+        scalars = train_scalars(logs, self.log_keys)
         info = f"loss {scalars['train_loss_mean']:.4f} " if "train_loss_mean" in scalars else ""
         info += f"g {scalars['g']:.4f} " if "g" in scalars else ""
         info += f"acc {self.last_acc:.4f} " if self.last_acc is not None else ""
         info += f"train {float(logs.get('round_time_s', 0.0)):.2f} s/round"
         self.progress.update(self.task, completed=round, info=info)
 
-    def on_interrupt(self, sim, round: int) -> None:
-        if sim.fabric.global_rank != 0:
+    def on_interrupt(self, sim: RunView, round: int) -> None:
+        if sim.rank != 0:
             return
         if self.progress is not None:
             self.progress.stop()
@@ -456,8 +469,8 @@ class ConsoleReport:
         clear_running(sim.run_dir)
         print("\n".join(where_lines(sim.run_dir, finished=False)), flush=True)
 
-    def on_fit_end(self, sim, results: dict[str, Any]) -> None:
-        if sim.fabric.global_rank != 0:
+    def on_fit_end(self, sim: RunView, results: dict[str, Any]) -> None:
+        if sim.rank != 0:
             return
         self.progress.stop()
         from fedfew.core.run_folders import clear_running

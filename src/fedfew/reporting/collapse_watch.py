@@ -18,9 +18,12 @@ algorithm's ``collapse_hint`` text, and is kept in the run's ``summary.collapse_
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from fedfew.simulator.run_view import RunView
 
 
 def collapse_advice(algorithm, cfg) -> str:
@@ -50,9 +53,9 @@ class CollapseWatch:
         self.hint = ""
         self.rank0 = True
 
-    def on_fit_start(self, sim) -> None:
+    def on_fit_start(self, sim: RunView) -> None:
         alg = sim.algorithm
-        self.rank0 = sim.fabric.global_rank == 0
+        self.rank0 = sim.rank == 0
         self.enabled = bool(getattr(alg, "watch_collapse", False)) and sim.module.K > 1
         cfg = sim.cfg.get("collapse") or {}
         self.step = float(cfg.get("step", 0.01))
@@ -84,7 +87,7 @@ class CollapseWatch:
                            f"{len(served)} models serve clients")
         return new
 
-    def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
+    def on_round_end(self, sim: RunView, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
         if not self.enabled:
             return
         step = logs.get("effective_step")
@@ -94,7 +97,7 @@ class CollapseWatch:
             if self.rank0:
                 print(f"warning: {message}. {self.hint}".rstrip(), file=sys.stderr, flush=True)
 
-    def on_fit_end(self, sim, results: dict[str, Any]) -> None:
+    def on_fit_end(self, sim: RunView, results: dict[str, Any]) -> None:
         if self.enabled:
             for scored in [results, *(results.get("also") or {}).values()]:  # eval.also: the same training
                 scored["summary"]["collapse_warnings"] = list(self.messages)

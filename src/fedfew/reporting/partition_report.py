@@ -20,7 +20,7 @@ from __future__ import annotations
 import io
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -28,10 +28,13 @@ from omegaconf import OmegaConf
 from fedfew.core.io import atomic_write_bytes, atomic_write_json
 from fedfew.data.partition import partition_scheme
 
+if TYPE_CHECKING:
+    from fedfew.simulator.run_view import RunView
+
 __all__ = ["PartitionReport", "build_report", "partition_line", "partition_scheme", "partition_table", "partition_title", "write_heatmap"]
 
 
-def build_report(sim) -> dict[str, Any]:
+def build_report(sim: RunView) -> dict[str, Any]:
     """``partition.json``'s content for a :class:`~fedfew.simulator.simulation.Simulation`."""
     from fedfew.data.federated import partition_seed
     from fedfew.data.partition import partition_summary
@@ -168,8 +171,8 @@ class PartitionReport:
         self.report: dict[str, Any] | None = None
         self._drawing = None
 
-    def on_fit_start(self, sim) -> None:
-        if sim.fabric.global_rank != 0:
+    def on_fit_start(self, sim: RunView) -> None:
+        if sim.rank != 0:
             return
         self.report = build_report(sim)
         atomic_write_json(self.run_dir / "partition.json", self.report)
@@ -193,7 +196,7 @@ class PartitionReport:
         console.print(f"partition summary: {self.run_dir / 'partition.json'}, heatmap: {png}")
         self._log_wandb(sim, png)
 
-    def on_fit_end(self, sim, results: dict[str, Any]) -> None:
+    def on_fit_end(self, sim: RunView, results: dict[str, Any]) -> None:
         self.wait()
 
     def wait(self) -> None:
@@ -203,10 +206,10 @@ class PartitionReport:
             self._drawing = None
 
     @staticmethod
-    def _wandb_loggers(sim) -> list:
-        return [lg for lg in (sim.fabric.loggers or []) if type(lg).__name__ == "WandbLogger"]
+    def _wandb_loggers(sim: RunView) -> list:
+        return [lg for lg in sim.loggers if type(lg).__name__ == "WandbLogger"]
 
-    def _log_wandb(self, sim, png: Path) -> None:
+    def _log_wandb(self, sim: RunView, png: Path) -> None:
         loggers = self._wandb_loggers(sim)
         if not loggers:
             return

@@ -3,7 +3,8 @@ offline run back.
 
 :class:`WandbMonitor` is the Fabric callback that sends everything to the W&B logger(s) of a
 run (:class:`fedfew.reporting.loggers.WandbLogger`), on rank 0, one ``run.log`` per round with the round
-as W&B step. It logs only what the algorithm's round logs hold, so baselines plug in:
+as W&B step. It logs only what the algorithm's round logs hold, each key by the kind the method
+declares (:mod:`fedfew.algorithms.round_log`), so baselines plug in:
 
 every round
     ``round``; ``train/g`` (the STCH-Set value), ``train/lr``, ``train/round_time_s``,
@@ -13,7 +14,8 @@ every round
     (sum_i alpha_i w_ik), ``effective_clients/<k>``, ``clients_served/<k>`` (clients whose
     argmax_k w_ik (or the algorithm's assignment) is k), ``assignment/changed`` (clients
     whose assignment moved since their previous round), ``train/<name>`` for any other
-    scalar an algorithm logs, ``<name>/<k>`` for its other per-model vectors;
+    scalar an algorithm logs, ``<name>/<k>`` for its other per-model vectors
+    (``weight_per_model/<k>``...);
     ``alpha/client_<i>`` (one line per client, up to ``logger.per_client_scalars`` clients),
     ``alpha/hist`` (histogram over rounds), ``alpha/max``, ``alpha/effective_clients``
     (1 / sum_i alpha_i^2); ``w/mean_max`` (mean_i max_k w_ik);
@@ -51,28 +53,29 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from fedfew.reporting.callbacks import PER_MODEL_KEYS as TRAIN_PER_MODEL_KEYS
+from fedfew.algorithms.round_log import Kind, LogKeys, classify
 from fedfew.reporting.callbacks import client_info, eval_scalars, train_scalars
 
-#: per-model vectors among the standard round logs
-PER_MODEL_KEYS = frozenset({"effective_step", "weight_per_model", "weight_share", "effective_clients"})
-#: round-log keys that are not per-client columns of the round table
-NOT_CLIENT_KEYS = frozenset({"round", "participants", "round_time_s", "lr", "g"}) | PER_MODEL_KEYS
+if TYPE_CHECKING:
+    from fedfew.simulator.run_view import RunView
+
 TRAIN_NAMES = {"train_loss_mean": "train/loss_mean", "train_loss_best_mean": "train/loss_best_mean"}
 #: largest M for which the alpha-over-rounds line chart is logged at the end
 MAX_SERIES_CLIENTS = 100
 
 
-def wandb_scalars(logs: dict[str, Any], evaluation: dict[str, Any] | None) -> dict[str, float]:
-    """The round's scalars under their W&B names (``train/``, ``eval/`` sections)."""
+def wandb_scalars(logs: dict[str, Any], evaluation: dict[str, Any] | None, keys: LogKeys) -> dict[str, float]:
+    """The round's scalars (:func:`fedfew.reporting.callbacks.train_scalars`: each key by its
+    declared kind in ``keys``, per-model vectors as ``<name>/<model id>``) under their W&B names
+    (``train/``, ``eval/`` sections)."""
     out: dict[str, float] = {}
-    for key, value in train_scalars(logs).items():
+    for key, value in train_scalars(logs, keys).items():
         out[key if key == "round" or "/" in key else TRAIN_NAMES.get(key, f"train/{key}")] = value
     for key, value in eval_scalars(evaluation).items():
         out[f"eval/{key}"] = value
@@ -87,33 +90,16 @@ def _as_2d(value: torch.Tensor, rows: int) -> np.ndarray:
     return arr.reshape(rows, -1)
 
 
-def client_columns(logs: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Per-participant values of a round, name -> (P, c) array, in a stable order: alpha, w,
-    loss, assignment, then any other tensor with one row per participant."""
+def client_columns(logs: dict[str, Any], keys: LogKeys) -> dict[str, np.ndarray]:
+    """Per-participant values of a round (the keys ``keys`` declares per_client or
+    per_client_model), name -> (P, c) array, in a stable order: alpha, w, loss, assignment, then
+    the others by name."""
     P = len(logs.get("participants") or [])
-    out: dict[str, np.ndarray] = {}
-    names = [n for n in ("alpha", "w", "loss", "assignment") if n in logs]
-    names += sorted(n for n in logs if n not in names and n not in NOT_CLIENT_KEYS)
-    for name in names:
-        value = logs[name]
-        if P and isinstance(value, torch.Tensor) and value.dim() >= 1 and len(value) == P:
-            out[name] = _as_2d(value, P)
-    return out
-
-
-def per_model_scalars(logs: dict[str, Any], K: int) -> dict[str, float]:
-    """Per-model vectors other than those already in the round scalars (``effective_step``,
-    ``weight_share``, ``effective_clients``), as
-    ``<name>/<k>``: the known ones (:data:`PER_MODEL_KEYS`) and any 1-D tensor of length K
-    that is not one row per participant."""
-    P = len(logs.get("participants") or [])
-    out: dict[str, float] = {}
-    for name, value in logs.items():
-        if name in TRAIN_PER_MODEL_KEYS or not isinstance(value, torch.Tensor) or value.dim() != 1 or len(value) != K:
-            continue
-        if name in PER_MODEL_KEYS or (len(value) != P and name not in ("alpha", "assignment")):
-            out.update({f"{name}/{k}": float(v) for k, v in enumerate(value.tolist())})
-    return out
+    kinds = classify(logs, keys)
+    per_client = {n for n, kind in kinds.items() if kind in (Kind.PER_CLIENT, Kind.PER_CLIENT_MODEL)}
+    names = [n for n in ("alpha", "w", "loss", "assignment") if n in per_client]
+    names += sorted(per_client - set(names))
+    return {name: _as_2d(logs[name], P) for name in names if P}
 
 
 def _png_image(fig, caption: str):
@@ -153,6 +139,7 @@ class WandbMonitor:
     previous_assignment: dict[int, int] = field(default_factory=dict)
     alpha_rounds: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
     model_set_changes: list[list[Any]] = field(default_factory=list)  # K=auto: [round, text] rows
+    log_keys: LogKeys = field(default_factory=dict)  # the run's declared round-log keys (on_fit_start)
     _warned: bool = False
 
     def _guard(self, what: str, fn):
@@ -171,12 +158,13 @@ class WandbMonitor:
 
     # -- callbacks -----------------------------------------------------------------------------
 
-    def on_fit_start(self, sim) -> None:
+    def on_fit_start(self, sim: RunView) -> None:
         from fedfew.reporting.loggers import WandbLogger
 
-        if sim.fabric.global_rank != 0:
+        if sim.rank != 0:
             return
-        self.loggers = [lg for lg in sim.fabric.loggers if isinstance(lg, WandbLogger)]
+        self.log_keys = sim.log_keys
+        self.loggers = [lg for lg in sim.loggers if isinstance(lg, WandbLogger)]
         if not self.loggers:
             return
         cfg = sim.cfg.get("logger") or {}
@@ -196,25 +184,25 @@ class WandbMonitor:
     def _remember(self, logs: dict[str, Any]) -> None:
         if logs.get("model_set_change"):
             self.model_set_changes.append([int(logs["round"]), str(logs["model_set_change"])])
-        columns = client_columns(logs)
+        columns = client_columns(logs, self.log_keys)
         participants = [int(c) for c in logs.get("participants") or []]
         if "alpha" in columns:
             self.alpha_rounds.append((int(logs["round"]), participants, columns["alpha"][:, 0].tolist()))
         if "assignment" in columns:
             self.previous_assignment.update(zip(participants, columns["assignment"][:, 0].astype(int).tolist()))
 
-    def on_round_end(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
+    def on_round_end(self, sim: RunView, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
         if not self.loggers:
             return
         payload = self._guard("round payload", lambda: self.round_payload(sim, round, logs, evaluation))
         self._log(payload, round)
 
-    def on_interrupt(self, sim, round: int) -> None:
+    def on_interrupt(self, sim: RunView, round: int) -> None:
         for logger in self.loggers:
             logger.finalize("interrupted")
         self.loggers = []
 
-    def on_fit_end(self, sim, results: dict[str, Any]) -> None:
+    def on_fit_end(self, sim: RunView, results: dict[str, Any]) -> None:
         if not self.loggers:
             return
         step = int(results["summary"].get("rounds") or len(sim.history))
@@ -228,18 +216,17 @@ class WandbMonitor:
 
     # -- payloads ------------------------------------------------------------------------------
 
-    def round_payload(self, sim, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> dict[str, Any]:
+    def round_payload(self, sim: RunView, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> dict[str, Any]:
         """Everything logged for one round (see the module docstring)."""
         import wandb
 
-        K, M = int(sim.module.K), int(sim.num_clients)
+        M, keys = int(sim.num_clients), sim.log_keys
         participants = [int(c) for c in logs.get("participants") or []]
-        out: dict[str, Any] = wandb_scalars(logs, evaluation)
-        out.update(per_model_scalars(logs, len(logs.get("model_ids") or []) or K))  # this round's models
+        out: dict[str, Any] = wandb_scalars(logs, evaluation, keys)
         if logs.get("model_set_change"):  # K=auto retired a model after this round
             self.model_set_changes.append([round, str(logs["model_set_change"])])
             out["model_set/changes"] = wandb.Table(columns=["round", "change"], data=[list(r) for r in self.model_set_changes])
-        columns = client_columns(logs)
+        columns = client_columns(logs, keys)
         if "alpha" in columns:
             alpha = columns["alpha"][:, 0]
             if M <= self.per_client_scalars:
@@ -292,7 +279,7 @@ class WandbMonitor:
             rows.append(row)
         return wandb.Table(columns=names, data=rows)
 
-    def final_payload(self, sim, results: dict[str, Any]) -> dict[str, Any]:
+    def final_payload(self, sim: RunView, results: dict[str, Any]) -> dict[str, Any]:
         """The end-of-run tables and charts."""
         import wandb
 

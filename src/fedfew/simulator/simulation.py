@@ -5,7 +5,8 @@ One round (every rank runs the same code on its own clients)::
     participants (seeded per round)  ->  this rank's clients (balanced by n_i)
     -> alg.client_update(client)  for each of them         (local training)
     -> rows gathered in client order (all-reduce of disjoint rows)
-    -> alg.end_round(...)                                   (aggregation + server step)
+    -> alg.end_round(...)                                   (aggregation + server step; its round log is
+                                                            checked against alg.log_keys: fedfew.algorithms.round_log)
     -> callbacks: on_round_end (metrics file, loggers, progress)
     -> every eval_every rounds and at the end: selection + personalized accuracy
 
@@ -25,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms.base import Algorithm, Context
+from fedfew.algorithms.round_log import Kind, check_round_log, declared
 from fedfew.core.checkpoint import (StopSignal, check_resume_config, checkpoint_path, rng_states, save_checkpoint,
                                set_rng_states)
 from fedfew.data.base import FederatedData
@@ -32,6 +34,7 @@ from fedfew.data.federated import build_federated_data, to_device
 from fedfew.core.distributed import all_reduce_, gather_rows, merge_dicts
 from fedfew.core.budget import StepCounter, communication
 from fedfew.simulator.evaluation import EvalSettings, best_round, evaluate_clients, reported
+from fedfew.simulator.run_view import RunView
 from fedfew.core.io import atomic_torch_save
 from fedfew.models import MODELS, DataInfo
 from fedfew.core.model_set import KModelSet, round_lr
@@ -85,8 +88,8 @@ class Simulation:
 
     Args:
         cfg: the full validated run config.
-        fabric: a launched Fabric (its callbacks receive ``on_round_end``, ``on_evaluate``,
-            ``on_fit_end``).
+        fabric: a launched Fabric (its callbacks receive ``on_fit_start``, ``on_round_end``,
+            ``on_interrupt`` and ``on_fit_end``, each with the run's :class:`RunView` as ``sim``).
         run_dir: where rank 0 writes results.
         data: optional prebuilt data (tests); built from ``cfg`` otherwise.
     """
@@ -142,6 +145,21 @@ class Simulation:
     def num_clients(self) -> int:
         return self.host_data.num_clients
 
+    @property
+    def log_keys(self) -> dict[str, Kind]:
+        """Every key a round log of this run may hold, with its kind: the loop's and the
+        algorithm's declared ones (:func:`fedfew.algorithms.round_log.declared`); the sinks write
+        each key by it."""
+        return declared(self.algorithm)
+
+    def view(self) -> RunView:
+        """What the callbacks see of this run (:class:`fedfew.simulator.run_view.RunView`): it
+        shares this run's history, evaluations and logger state, which grow as the rounds run."""
+        return RunView(cfg=self.cfg, run_dir=self.run_dir, rank=self.fabric.global_rank, loggers=list(self.fabric.loggers),
+                       host_data=self.host_data, log_keys=self.log_keys, start_round=self.start_round,
+                       history=self.history, evaluations=self.evaluations, logger_state=self.logger_state,
+                       module=self.module, algorithm=self.algorithm)
+
     def my_clients(self, participants: list[int]) -> list[int]:
         """The participants this rank trains: each client belongs to one rank for the whole run
         (balanced over all M clients), so per-client host state never changes process."""
@@ -170,24 +188,27 @@ class Simulation:
                               torch.zeros(shape(self.module.K), dtype=torch.float64, device=self.fabric.device))
             for name, shape in self.algorithm.row_shapes.items()
         }
+        models = self.algorithm.model_count  # before end_round, which may retire one (K=auto)
         logs = self.algorithm.end_round(rnd, participants, gathered)
+        check_round_log(self.algorithm, logs, len(participants), models)
         flags = torch.tensor([1.0 if c in self.nonfinite.reported_this_round() else 0.0 for c in participants],
                              dtype=torch.float64, device=self.fabric.device)
         reported = [c for c, f in zip(participants, all_reduce_(flags, "max").tolist()) if f > 0]
         self.nonfinite.end_round(participants, set(reported))
         logs.update(round=rnd, participants=participants, round_time_s=time.perf_counter() - start,
                     lr=self.module.lr, nonfinite_clients=reported)
-        logs.update(self._spent(len(participants), steps.count, models=logs.get("K")))
+        logs.update(self._spent(len(participants), steps.count, models))
         return logs
 
-    def _spent(self, num_participants: int, steps: int, models: int | None = None) -> dict[str, int]:
+    def _spent(self, num_participants: int, steps: int, models: int) -> dict[str, int]:
         """This round's budget (every rank gets the same): bytes sent up and down by all its
         participants, local SGD steps (summed over ranks; absent with the vmap engine), and
         their running totals (continued across a resume from the restored history).
-        ``models``: the server models the round used when fewer than at the start (FedFew's
-        K=auto retires models; its communication is proportional to K)."""
+        ``models``: the server models the round used (:attr:`Algorithm.model_count`); the
+        communication is counted for the models at the start and scaled by models / initial K
+        (FedFew's K=auto retires models; its communication is proportional to K)."""
         prev = self.history[-1] if self.history else {}
-        share = (int(models), self.module.initial_K) if models else (1, 1)
+        share = (int(models), self.module.initial_K)
         out: dict[str, int] = {"bytes_up": self.communication.bytes_up * num_participants * share[0] // share[1],
                                "bytes_down": self.communication.bytes_down * num_participants * share[0] // share[1]}
         if self.count_steps:
@@ -318,7 +339,8 @@ class Simulation:
             the final evaluation (``clients``, ``summary``), last logs and timings.
         """
         cfg, fabric = self.cfg, self.fabric
-        fabric.call("on_fit_start", sim=self)
+        view = self.view()  # what the callbacks see (fedfew.simulator.run_view)
+        fabric.call("on_fit_start", sim=view)
         every = int(cfg.get("checkpoint_every") or 0)
         self.stop_signal.install()
         evaluation: dict[str, Any] | None = None
@@ -333,14 +355,14 @@ class Simulation:
                     evaluation = self.evaluate(rnd)
                     self.evaluations.append(self._evaluation_entry(rnd, evaluation))
                 self.wall_time_s += time.perf_counter() - start
-                fabric.call("on_round_end", sim=self, round=rnd, logs=logs, evaluation=evaluation)
+                fabric.call("on_round_end", sim=view, round=rnd, logs=logs, evaluation=evaluation)
                 stop = self._stop_requested()
                 if (every and rnd % every == 0) or stop:
                     self.save_checkpoint(rnd)
                 if self.nonfinite.stopped_at is not None:  # diverged: nothing finite reaches the server any more
                     break
                 if stop and rnd < int(cfg.rounds):
-                    fabric.call("on_interrupt", sim=self, round=rnd)
+                    fabric.call("on_interrupt", sim=view, round=rnd)
                     return {"interrupted": True, "round": rnd, "signal": self.stop_signal.signum}
         finally:
             self.stop_signal.uninstall()
@@ -388,5 +410,5 @@ class Simulation:
             }
         if cfg.get("save_models", False) and fabric.global_rank == 0:
             atomic_torch_save(self.run_dir / "models.pt", [m.state_dict() for m in self.module.models])
-        fabric.call("on_fit_end", sim=self, results=results)
+        fabric.call("on_fit_end", sim=view, results=results)
         return results

@@ -43,13 +43,21 @@ def test_default_config_is_valid():
         ("optim.gamma=0.0", "optim.gamma=0.0: allowed number in (0, 1]"),
         ("dataset=agnews model.embed_lr_scale=0", "model.embed_lr_scale=0: allowed number > 0"),
         ("dataset=agnews model.embed_init_std=-1", "model.embed_init_std=-1: allowed number > 0"),
-        ("optim.lr=0.1 optim.min_lr=0.5", "optim.min_lr=0.5 > optim.lr=0.1"),
+        ("optim.schedule=cosine optim.lr=0.1 optim.min_lr=0.5", "optim.min_lr=0.5 > optim.lr=0.1"),
     ],
 )
 def test_bad_values_are_named(override, needle):
     with pytest.raises(ConfigError) as err:
         validate_config(compose_config(*override.split()))
     assert needle in str(err.value)
+
+
+def test_min_lr_is_checked_only_under_cosine_and_only_against_a_valid_lr():
+    validate_config(compose_config("optim.lr=0.1", "optim.min_lr=0.5"))  # constant schedule: min_lr unused
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose_config("optim.schedule=cosine", "optim.lr=-1"))
+    assert "optim.lr=-1: allowed number > 0" in str(err.value)
+    assert "min_lr" not in str(err.value)  # the bad lr is the one problem, reported once
 
 
 def test_rule_choices_match_the_registries():

@@ -235,7 +235,8 @@ def validate_config(cfg: DictConfig) -> None:
                             f"through an engine; {algorithm} trains with its own loop and would ignore "
                             f"{key}={_text(value)}; use {key}={_text(default)} (the default) or algorithm={users[0]}")
     lr, min_lr = _lookup(cfg, "optim.lr"), _lookup(cfg, "optim.min_lr")
-    if _is_number(lr) and _is_number(min_lr) and min_lr > lr:
+    # only where it is used, and only against a valid lr (a bad lr is reported once, by its own rule)
+    if _lookup(cfg, "optim.schedule") == "cosine" and _is_number(lr) and lr > 0 and _is_number(min_lr) and min_lr > lr:
         problems.append(f"  optim.min_lr={min_lr!r} > optim.lr={lr!r}: the cosine schedule anneals from optim.lr "
                         "down to optim.min_lr; use min_lr <= lr")
     sigma = _lookup(cfg, "algorithm.sigma")

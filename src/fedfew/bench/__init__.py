@@ -19,6 +19,7 @@ The modules:
   :mod:`~fedfew.bench.measure` (matmul peaks, useful FLOPs, the pure forward/backward replay),
   :mod:`~fedfew.bench.cases` (one bench case: a Simulation and its timed round, in a subprocess).
 - The CPU benchmark: :mod:`~fedfew.bench.cpu` (what it measures, the driver),
+  :mod:`~fedfew.bench.flower_speed` (Flower's simulation engine beside the simulator),
   :mod:`~fedfew.bench.cpu_report` (bench.md).
 - The GPU check: :mod:`~fedfew.bench.gpu_sizes` (its modes, sizes and time caps),
   :mod:`~fedfew.bench.gpu_data` (CIFAR-10 unpacked in the background),

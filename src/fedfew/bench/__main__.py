@@ -26,8 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="32-true", help="Fabric precision of the runs (32-true | bf16-mixed)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the local step (compile=true)")
     parser.add_argument("--only", nargs="*", default=None,
-                        help="sections to run: throughput reference scaling devices (default: all); with "
+                        help="sections to run: throughput reference scaling devices flower (default: all); with "
                              "--gpu-check: correctness speed memory precision paper")
+    flower = parser.add_argument_group("Flower's simulation engine beside the simulator (the flower section of make bench)")
+    flower.add_argument("--flower-clients", type=int, nargs="+", default=[20, 200], metavar="M",
+                        help="numbers of clients of the digits job (default: 20 200)")
+    flower.add_argument("--flower-rounds", type=int, default=5, help="rounds of each run (default 5)")
+    flower.add_argument("--flower-algorithms", nargs="+", default=["fedavg", "fedfew"], metavar="ALGORITHM",
+                        help="methods (default: fedavg fedfew)")
+    flower.add_argument("--no-flower", action="store_true", help="leave the flower section out")
     gpu = parser.add_argument_group("GPU readiness check (make gpu-check, scripts/gpu_check.sh, docs/speed.md)")
     gpu.add_argument("--gpu-check", action="store_true",
                      help="measure every CUDA path in a few minutes (on a machine without a GPU: the CPU smoke mode)")
@@ -45,9 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.case:
         from fedfew.bench.cases import CASES
+        from fedfew.bench.flower_speed import case_federation
 
         spec = json.loads(args.case)
-        result = CASES[spec.get("kind", "round")](spec)
+        result = {**CASES, "federation": case_federation}[spec.get("kind", "round")](spec)
         print("BENCH_RESULT " + json.dumps(result), flush=True)
         return 0
     if args.gpu_check_run:

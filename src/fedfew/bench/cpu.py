@@ -30,6 +30,9 @@ loop with aggregation and server step):
   and the speed-up.
 * **projection** -- the paper's full CIFAR-10 run (2,000 rounds, M=20, K=3, evaluation
   every 10 rounds) from the measured sample-passes per second (meaningful on a GPU).
+* **flower** -- Flower's simulation engine beside the simulator on the same digits job
+  (``--flower-clients`` 20 200, ``--flower-algorithms`` fedavg fedfew, ``--flower-rounds`` 5):
+  seconds per round and startup of each (:mod:`fedfew.bench.flower_speed`; ``--no-flower`` skips it).
 
 Default sizes keep the whole run under ~10 minutes on 2 CPU cores (fewer samples per CIFAR
 client, a subset of the AG News clients per round, projected to the full round); ``--full``
@@ -50,6 +53,7 @@ from typing import Any
 from fedfew.bench.cases import run_case
 from fedfew.bench.common import REFERENCE_PEAK_HOST_GB, REFERENCE_ROUND_S, REFERENCE_STEP_S, _log, detect_device, load_average
 from fedfew.bench.cpu_report import render_markdown
+from fedfew.bench.flower_speed import flower_section
 from fedfew.bench.synthetic import CIFAR_POOL
 
 
@@ -92,7 +96,8 @@ def drive(args) -> int:
     full = args.full or (device == "cuda" and not args.small)
     data_dir = str(Path(args.data_dir).expanduser().resolve()) if args.data_dir else None
     real_text = agnews_available(data_dir)
-    sections = set(args.only or ["throughput", "reference", "scaling", "devices"])
+    sections = set(args.only or ["throughput", "reference", "scaling", "devices", "flower"]) - (
+        {"flower"} if args.no_flower else set())
     out_dir = Path(args.out)
     started = time.perf_counter()
     import torch
@@ -200,6 +205,10 @@ def drive(args) -> int:
             mean = {d: sum(r["round_time_s"]) / len(r["round_time_s"]) for d, r in runs.items()}
             dev["speedup"] = mean[1] / mean[2]
         report["devices"] = dev
+
+    # ---- Flower's simulation engine beside the simulator (digits) -----------------------------
+    if "flower" in sections:
+        report["flower"] = flower_section(args.flower_clients, args.flower_algorithms, args.flower_rounds)
 
     report["machine"]["load_average_end"] = load_average()
     report["bench_wall_s"] = time.perf_counter() - started

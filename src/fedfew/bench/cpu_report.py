@@ -4,6 +4,7 @@ from __future__ import annotations
 from fedfew.bench.common import (REFERENCE_PEAK_HOST_GB, REFERENCE_ROUND_S, REFERENCE_STEP_S, TARGET_DEVICES_SPEEDUP,
                                  TARGET_OVERHEAD, TARGET_PROJECTION_S, TARGET_REFERENCE_HOST_GB,
                                  TARGET_REFERENCE_SPEEDUP, _f, _mb)
+from fedfew.bench.flower_speed import flower_lines
 
 
 def render_markdown(report: dict) -> str:
@@ -97,5 +98,7 @@ def render_markdown(report: dict) -> str:
                              f"(last {r['last_round_s']:.2f} s), seconds_per_round {_f(r['seconds_per_round'])}")
         lines += [f"- speed-up (mean round time): **{_f(dev.get('speedup'), '{:.2f}x')}** (target >= {TARGET_DEVICES_SPEEDUP}x on 2 cores; "
                   f"{dev['clients_per_round']} clients per round, {dev['rounds']} rounds)", ""]
+    if report.get("flower"):
+        lines += flower_lines(report["flower"])
     lines.append(f"Benchmark wall time: {report.get('bench_wall_s', 0):.0f} s.")
     return "\n".join(lines) + "\n"

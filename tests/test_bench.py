@@ -50,3 +50,11 @@ def test_no_flower_leaves_the_section_out(tmp_path):
     assert cli.main(["--only", "flower", "--no-flower", "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert "flower" not in report and "Flower" not in (out / "bench.md").read_text()
+
+
+def test_usage_names_this_interpreter(capsys):
+    from fedfew.core.run_folders import python_command
+
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert capsys.readouterr().out.startswith(f"usage: {python_command('fedfew.bench')} ")

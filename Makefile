@@ -124,13 +124,19 @@ tune: $(STAMP)
 		-- $(if $(COMPARE_DATA_DIR),data_dir=$(abspath $(COMPARE_DATA_DIR))) $(if $(filter-out 1,$(JOBS)),trainer.threads=1) $(ARGS)
 
 # bench: throughput (engine=loop vs vmap), overhead, FLOP/s, scaling in M and K, memory, the
-# reference preset and devices=1 vs 2 -> $(BENCH_OUT)/bench.{json,md}. ~10 min on 2 CPU cores.
+# reference preset, devices=1 vs 2, and Flower's simulation engine beside the simulator (s/round and
+# startup on the digits job, M = BENCH_FLOWER_CLIENTS, fedavg and fedfew, BENCH_FLOWER_ROUNDS rounds)
+# -> $(BENCH_OUT)/bench.{json,md}. ~15 min on 2 CPU cores (the Flower section ~6 of them).
 #   make bench [BENCH_ARGS="--full"]   (--full: the paper's sizes, the default on a GPU)
+#   make bench BENCH_ARGS="--only flower"  |  BENCH_ARGS=--no-flower  |  BENCH_FLOWER_CLIENTS="20" BENCH_FLOWER_ROUNDS=3
 BENCH_OUT ?= $(OUTPUTS)/bench
 BENCH_ARGS ?=
+BENCH_FLOWER_CLIENTS ?= 20 200
+BENCH_FLOWER_ROUNDS ?= 5
 
 bench: $(STAMP)
-	$(BIN)/python -m fedfew.bench --out $(BENCH_OUT) $(if $(TEST_DATA_DIR),--data-dir $(abspath $(TEST_DATA_DIR))) $(BENCH_ARGS)
+	$(BIN)/python -m fedfew.bench --out $(BENCH_OUT) $(if $(TEST_DATA_DIR),--data-dir $(abspath $(TEST_DATA_DIR))) \
+		--flower-clients $(BENCH_FLOWER_CLIENTS) --flower-rounds $(BENCH_FLOWER_ROUNDS) $(BENCH_ARGS)
 
 slurm-up:
 	bash scripts/slurm/install.sh && bash scripts/slurm/start.sh

@@ -128,6 +128,20 @@ def test_partition_errors_name_id_and_directory(tmp_path):
         load(tmp_path / "nowhere", 1, 4, cfg)
 
 
+def test_printed_commands_use_this_interpreter(tmp_path, capsys):
+    """The commands a user copies (usage lines, the hint of a missing data directory) name the running
+    interpreter, not a bare `python` that may not be the one with fedfew installed."""
+    from fedfew.core.run_folders import python_command
+    from fedfew.flower import deploy, partitions
+
+    for module, main in (("fedfew.flower.deploy", deploy.main), ("fedfew.flower.partitions", partitions.main)):
+        with pytest.raises(SystemExit):
+            main(["--help"])
+        assert capsys.readouterr().out.startswith(f"usage: {python_command(module)} ")
+    with pytest.raises(partitions.PartitionError) as err:
+        partitions.load(tmp_path / "nowhere", 1, 4)
+    assert f"write it with `{python_command('fedfew.flower.partitions')} --out <dir>" in str(err.value)
+
 def test_server_reports_a_broken_node(tmp_path):
     """A node with a missing data directory: the server names the node and the client's error."""
     from fedfew.flower.client import app

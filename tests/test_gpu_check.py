@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedfew import bench
+from fedfew.bench import __main__ as cli
+from fedfew.bench import gpu_data, gpu_report, gpu_sections, gpu_sizes, synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 CIFAR_TARS = ("cifar10/cifar10_train_jpg.tar.gz", "cifar10/cifar10_test_jpg.tar.gz")
@@ -97,11 +98,11 @@ def test_smoke_mode_runs_every_section_and_says_so(smoke):
     assert "CPU smoke mode" in proc.stdout and "**Mode: CPU smoke mode**" in md
     assert report["mode"] == "cpu" and report["smoke"] is True
     assert report["machine"]["device"] == "cpu" and report["machine"]["torch"]
-    assert {name: s["status"] for name, s in report["sections"].items()} == {name: "done" for name in bench.GPU_CHECK_SECTIONS}
+    assert {name: s["status"] for name, s in report["sections"].items()} == {name: "done" for name in gpu_sizes.GPU_CHECK_SECTIONS}
     for line in ("**Correctness**", "**Engine speed**", "**Precision**", "**The paper's run**", "**Memory**",
                  "**Utilisation**"):
         assert sum(row.startswith(f"- {line}") for row in md.splitlines()) == 1, line
-    assert report["wall_s"] > 0 and report["budget_s"] == bench.CHECK_SIZES["cpu"].budget_s
+    assert report["wall_s"] > 0 and report["budget_s"] == gpu_sizes.CHECK_SIZES["cpu"].budget_s
     # the driver removed its scratch folder and the script its package folder
     assert not list(smoke["tmp"].glob("fedfew-gpu-check-*")) and not list(smoke["tmp"].glob("fedfew-gpu-site.*"))
 
@@ -120,17 +121,17 @@ def test_smoke_loop_equals_vmap(smoke):
     corr = _sections(smoke)["correctness"]
     for model in ("cifar10_cnn", "agnews_textcnn"):
         r = corr[model]
-        assert r["finite"] and r["passed"] and 0 <= r["max_abs_diff"] <= bench.CORRECTNESS_ATOL
-        assert r["max_abs_param"] > 10 * bench.CORRECTNESS_ATOL  # models of real size, not all zeros
+        assert r["finite"] and r["passed"] and 0 <= r["max_abs_diff"] <= gpu_sizes.CORRECTNESS_ATOL
+        assert r["max_abs_param"] > 10 * gpu_sizes.CORRECTNESS_ATOL  # models of real size, not all zeros
         # multi-client chunks of unequal clients (zero-weight padding) were exercised
-        assert r["engine_clients"] == int(bench.CHECK_SIZES["cpu"].engine_clients) > 1
+        assert r["engine_clients"] == int(gpu_sizes.CHECK_SIZES["cpu"].engine_clients) > 1
         assert len(set(r["client_train_sizes"])) == len(r["client_train_sizes"])
 
 
 @pytest.mark.slow
 def test_smoke_speed_figures_are_consistent(smoke):
     speed = _sections(smoke)["speed"]
-    sizes = bench.CHECK_SIZES["cpu"]
+    sizes = gpu_sizes.CHECK_SIZES["cpu"]
     assert speed["peaks"]["float32"] > 0 and speed["peaks"]["bfloat16"] > 0
     train_per_client = {"cifar10_cnn": sizes.speed_pool // sizes.speed_M, "agnews_textcnn": sizes.text_per_client}
     for model, per_client in train_per_client.items():
@@ -138,7 +139,7 @@ def test_smoke_speed_figures_are_consistent(smoke):
             r = speed[model][engine]
             # every client's train split (a quarter held out), through each of the K=3 models
             train = sizes.speed_M * (per_client - per_client // 4 if model == "agnews_textcnn"
-                                     else per_client - round(per_client * bench.CIFAR_TEST_FRACTION))
+                                     else per_client - round(per_client * synthetic.CIFAR_TEST_FRACTION))
             assert r["train_samples"] == train and r["sample_passes"] == 3 * train
             assert r["sample_passes_per_s"] == pytest.approx(r["sample_passes"] / r["round_s"])
             assert r["pure_sample_passes"] == r["sample_passes"] and r["loss_finite"]
@@ -155,7 +156,7 @@ def test_smoke_speed_figures_are_consistent(smoke):
 @pytest.mark.slow
 def test_smoke_memory_points(smoke):
     mem = _sections(smoke)["memory"]
-    sizes = bench.CHECK_SIZES["cpu"]
+    sizes = gpu_sizes.CHECK_SIZES["cpu"]
     assert [(p["M"], p["K"], p["engine_clients"]) for p in mem["points"]] == list(sizes.memory_points)
     for p in mem["points"]:
         assert p["peak_host_mb"] > 50 and p["round_s"] > 0 and p["loss_finite"]
@@ -171,7 +172,7 @@ def test_smoke_memory_points(smoke):
 @pytest.mark.slow
 def test_smoke_precision_and_paper_run(smoke):
     sec = _sections(smoke)
-    sizes = bench.CHECK_SIZES["cpu"]
+    sizes = gpu_sizes.CHECK_SIZES["cpu"]
     prec, paper = sec["precision"], sec["paper"]
     for precision in ("32-true", "bf16-mixed"):
         r = prec[precision]
@@ -181,9 +182,9 @@ def test_smoke_precision_and_paper_run(smoke):
     assert prec["bf16_speedup"] == pytest.approx(prec["32-true"]["steady_round_s"] / prec["bf16-mixed"]["steady_round_s"])
     assert prec["acc_diff"] == pytest.approx(prec["bf16-mixed"]["acc_mean"] - prec["32-true"]["acc_mean"])
     assert paper["rounds"] >= 1 and 0 <= paper["acc_mean"] <= 1 and paper["acc_round"] == paper["rounds"]
-    evaluations = bench.PAPER_ROUNDS // sizes.paper_eval_every
+    evaluations = gpu_sizes.PAPER_ROUNDS // sizes.paper_eval_every
     assert paper["projected_total_s"] == pytest.approx(
-        paper["first_round_s"] + (bench.PAPER_ROUNDS - 1) * paper["steady_round_s"] + evaluations * paper["evaluation_s"])
+        paper["first_round_s"] + (gpu_sizes.PAPER_ROUNDS - 1) * paper["steady_round_s"] + evaluations * paper["evaluation_s"])
     data = smoke["report"]["data"]
     if smoke["real"]:
         per_class = sizes.cifar_per_class
@@ -225,11 +226,11 @@ def _fake_cifar(src: Path, per_class: int) -> None:
 def test_unpack_cifar_whole_and_smoke_subset(tmp_path):
     src = tmp_path / "src"
     _fake_cifar(src, per_class=6)
-    counts = bench.unpack_cifar(src, tmp_path / "all" / "cifar10", None)
+    counts = gpu_data.unpack_cifar(src, tmp_path / "all" / "cifar10", None)
     assert counts == {"train": 12, "test": 12}
     assert sorted(p.name for p in (tmp_path / "all/cifar10/train/dog").iterdir()) == [f"{i:04d}.jpg" for i in range(6)]
     # the subset: from the test tarball alone, per class the first 3 -> train/, the next 2 -> test/
-    counts = bench.unpack_cifar(src, tmp_path / "sub" / "cifar10", (3, 2))
+    counts = gpu_data.unpack_cifar(src, tmp_path / "sub" / "cifar10", (3, 2))
     assert counts == {"train": 6, "test": 4}
     for cls in ("cat", "dog"):
         train = sorted(p.name for p in (tmp_path / "sub/cifar10/train" / cls).iterdir())
@@ -240,13 +241,13 @@ def test_unpack_cifar_whole_and_smoke_subset(tmp_path):
     for split in ("train", "test"):
         (tree / split).parent.mkdir(parents=True, exist_ok=True)
         (src / f"tree-{split}" / split).rename(tree / split)
-    assert bench.unpack_cifar(tree, tmp_path / "sub2" / "cifar10", (3, 2)) == {"train": 6, "test": 4}
+    assert gpu_data.unpack_cifar(tree, tmp_path / "sub2" / "cifar10", (3, 2)) == {"train": 6, "test": 4}
     with pytest.raises(FileNotFoundError, match="make gpu-data"):
-        bench.unpack_cifar(tmp_path / "nothing", tmp_path / "x", None)
+        gpu_data.unpack_cifar(tmp_path / "nothing", tmp_path / "x", None)
 
 
 def _report(mode: str, ratio: float, total_s: float, mem_ratio: float, diff: float) -> dict:
-    corr = {m: {"max_abs_diff": diff, "passed": diff <= bench.CORRECTNESS_ATOL} for m in ("cifar10_cnn", "agnews_textcnn")}
+    corr = {m: {"max_abs_diff": diff, "passed": diff <= gpu_sizes.CORRECTNESS_ATOL} for m in ("cifar10_cnn", "agnews_textcnn")}
     return {"mode": mode, "sections": {
         "correctness": {"status": "done", **corr},
         "speed": {"status": "done", "cifar10_cnn": {"vmap_over_loop": ratio},
@@ -257,34 +258,34 @@ def _report(mode: str, ratio: float, total_s: float, mem_ratio: float, diff: flo
 
 
 def test_targets_pass_and_fail_at_their_thresholds():
-    ok = {t["name"]: t for t in bench.gpu_check_targets(_report("cuda", 5.0, 599.0, 1.2, 1e-4))}
+    ok = {t["name"]: t for t in gpu_report.gpu_check_targets(_report("cuda", 5.0, 599.0, 1.2, 1e-4))}
     assert all(t["passed"] is True for t in ok.values())
-    bad = {t["name"]: t for t in bench.gpu_check_targets(_report("cuda", 4.99, 600.0, 1.21, 1.1e-4))}
+    bad = {t["name"]: t for t in gpu_report.gpu_check_targets(_report("cuda", 4.99, 600.0, 1.21, 1.1e-4))}
     assert all(t["passed"] is False for t in bad.values())
     assert bad["vmap speed-up"]["bound"] == "the CPU side: kernel launches"
-    md = bench.render_gpu_check({**_report("cuda", 4.99, 600.0, 1.21, 1e-5), "targets": list(bad.values())})
+    md = gpu_report.render_gpu_check({**_report("cuda", 4.99, 600.0, 1.21, 1e-5), "targets": list(bad.values())})
     assert "**MISSED**: bound by the CPU side: kernel launches" in md
     # on the CPU, the GPU targets are shown but not judged; the engines must agree everywhere
-    cpu = {t["name"]: t for t in bench.gpu_check_targets(_report("cpu", 0.9, 6000.0, 0.9, 2e-4))}
+    cpu = {t["name"]: t for t in gpu_report.gpu_check_targets(_report("cpu", 0.9, 6000.0, 0.9, 2e-4))}
     assert cpu["vmap speed-up"]["passed"] is None and cpu["vmap speed-up"]["measured_passed"] is False
     assert cpu["memory vs M"]["passed"] is None and cpu["memory vs M"]["measured_passed"] is True
     assert cpu["correctness cifar10_cnn"]["passed"] is False
-    empty = bench.gpu_check_targets({"mode": "cuda", "sections": {}})
+    empty = gpu_report.gpu_check_targets({"mode": "cuda", "sections": {}})
     assert all(t["passed"] is None and t["value"] is None for t in empty)
 
 
 def test_rounds_summary_projection_inputs():
     evals = [{"round": 10, "seconds": 2.0, "acc_mean": 0.4, "acc_weighted": 0.5}]
-    out = bench._rounds_summary([3.0, 1.0, 2.0], evals, round_flops=6e9, passes=100, finite=True)
+    out = gpu_sections._rounds_summary([3.0, 1.0, 2.0], evals, round_flops=6e9, passes=100, finite=True)
     assert out["steady_round_s"] == 1.5 and out["first_round_s"] == 3.0 and out["evaluation_s"] == 2.0
     assert out["achieved_flops"] == 4e9 and out["acc_mean"] == 0.4 and out["acc_round"] == 10
-    assert math.isclose(bench._rounds_summary([2.0], [], 1.0, 1, True)["steady_round_s"], 2.0)
+    assert math.isclose(gpu_sections._rounds_summary([2.0], [], 1.0, 1, True)["steady_round_s"], 2.0)
 
 
 def test_bad_arguments_fail_before_any_work(tmp_path, capsys):
-    code = bench.main(["--gpu-check", "--device", "cpu", "--out", str(tmp_path / "o"), "--cifar-dir", str(tmp_path / "nope")])
+    code = cli.main(["--gpu-check", "--device", "cpu", "--out", str(tmp_path / "o"), "--cifar-dir", str(tmp_path / "nope")])
     assert code == 2 and "--cifar-dir" in capsys.readouterr().err and not (tmp_path / "o").exists()
-    code = bench.main(["--gpu-check", "--device", "cpu", "--out", str(tmp_path / "o"), "--only", "speed", "warp"])
+    code = cli.main(["--gpu-check", "--device", "cpu", "--out", str(tmp_path / "o"), "--only", "speed", "warp"])
     err = capsys.readouterr().err
     assert code == 2 and "warp" in err and "correctness" in err and not (tmp_path / "o").exists()
 

@@ -30,7 +30,7 @@ def readme_commands() -> list[str]:
     """The commands README.md shows: each line of its ``bash`` blocks (trailing comments removed)
     and each ``make train ...`` / ``make compare ...`` code span in a table row (the expected-results tables), in order and
     without repeats. (Targets only named in prose or in the documentation table, such as ``make
-    gpu-check`` and ``make bench``, are run by tests/test_gpu_check.py.)"""
+    gpu-check`` and ``make bench``, are run by tests/test_gpu_check.py and tests/test_bench.py.)"""
     text = (ROOT / "README.md").read_text()
     lines = [ln for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S) for ln in block.splitlines()]
     lines += [span for row in text.splitlines() if row.startswith("|")

@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fedfew.core.run_folders import python_command
+
 PYPROJECT = """[build-system]
 requires = ["hatchling"]
 build-backend = "hatchling.build"
@@ -78,7 +80,7 @@ def command(app: Path, config: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedfew.flower.deploy", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=python_command("fedfew.flower.deploy"), description=__doc__.split("\n\n")[0])
     parser.add_argument("--superlink", default="127.0.0.1:8000", help="the SuperLink's HTTP address (HOST:PORT)")
     tls = parser.add_mutually_exclusive_group(required=True)
     tls.add_argument("--insecure", action="store_true", help="no TLS (localhost tests only)")

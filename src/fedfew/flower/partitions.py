@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from fedfew.core.run_folders import python_command
 from fedfew.data.base import ClientSplit, FederatedData
 
 #: the file in a client's data directory
@@ -169,7 +170,7 @@ def load(directory: str | Path, partition_id: int, num_partitions: int | None, c
     where = f"SuperNode partition-id={partition_id}, data-dir={directory}"
     if not directory.is_dir():
         raise PartitionError(f"{where}: the data directory does not exist (write it with "
-                             "`python -m fedfew.flower.partitions --out <dir> <run overrides>`)")
+                             f"`{python_command('fedfew.flower.partitions')} --out <dir> <run overrides>`)")
     path = directory / PARTITION_FILE
     if not path.is_file():
         raise PartitionError(f"{where}: no {PARTITION_FILE} in the data directory")
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     data directory (:func:`export`) for the run ``python -m fedfew.train <overrides>`` would make."""
     from fedfew.config.compose import compose
 
-    parser = argparse.ArgumentParser(prog="python -m fedfew.flower.partitions", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog=python_command("fedfew.flower.partitions"), description=main.__doc__)
     parser.add_argument("--out", required=True, type=Path, help="folder for client_<i>/ (one per client)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for make train")
     args = parser.parse_args(argv)

@@ -140,8 +140,7 @@ def fake_sim(rounds: int, run_dir: Path, start_round: int = 1):
 
 def test_plain_progress_lines_at_most_every_interval_but_always_evaluations(tmp_path, capsys, monkeypatch):
     clock = iter([0.0, 3.0, 6.0, 9.0, 12.0, 15.0, 18.0])  # fit start, then rounds 1..6 three seconds apart
-    monkeypatch.setattr("fedfew.reporting.callbacks.time.monotonic", lambda: next(clock))
-    report = ConsoleReport(interval_s=10.0, plain=True)
+    report = ConsoleReport(interval_s=10.0, plain=True, clock=lambda: next(clock))
     sim = fake_sim(6, tmp_path)
     report.on_fit_start(sim)
     for rnd in range(1, 7):
@@ -161,8 +160,7 @@ def test_plain_progress_lines_at_most_every_interval_but_always_evaluations(tmp_
 
 def test_plain_progress_every_round_when_rounds_are_slow(tmp_path, capsys, monkeypatch):
     clock = iter([0.0, 11.0, 22.0, 33.0])
-    monkeypatch.setattr("fedfew.reporting.callbacks.time.monotonic", lambda: next(clock))
-    report = ConsoleReport(interval_s=10.0, plain=True)
+    report = ConsoleReport(interval_s=10.0, plain=True, clock=lambda: next(clock))
     sim = fake_sim(5, tmp_path, start_round=3)  # resumed at round 3
     report.on_fit_start(sim)
     for rnd in (3, 4, 5):

@@ -26,7 +26,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from omegaconf import OmegaConf
@@ -379,9 +379,11 @@ class ConsoleReport:
 
     LOG_INTERVAL_S = 10.0
 
-    def __init__(self, interval_s: float = LOG_INTERVAL_S, plain: bool | None = None) -> None:
+    def __init__(self, interval_s: float = LOG_INTERVAL_S, plain: bool | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.interval_s = interval_s
         self.plain = plain
+        self.clock = clock  # seconds; a test passes its own rather than patching the time module
         self.progress = None
         self.task = None
         self.last_acc: float | None = None
@@ -412,7 +414,7 @@ class ConsoleReport:
         )
         self.task = self.progress.add_task("rounds", total=int(sim.cfg.rounds), completed=sim.start_round - 1, info="")
         self.progress.start()
-        self._start = self._last_time = time.monotonic()
+        self._start = self._last_time = self.clock()
         self._first_round = self._last_round = int(sim.start_round)
         self._last_round -= 1
         self._train_s = 0.0
@@ -441,7 +443,7 @@ class ConsoleReport:
     def on_round_end(self, sim: RunView, round: int, logs: dict[str, Any], evaluation: dict[str, Any] | None) -> None:
         if sim.rank != 0:
             return
-        now = time.monotonic()
+        now = self.clock()
         total = int(sim.cfg.rounds)
         self._train_s += float(logs.get("round_time_s", 0.0))
         if evaluation is not None:

@@ -591,3 +591,33 @@ def test_dataset_configs_compose(name):
     assert {"image_size", "channels", "mean", "std", "cache", "in_memory"} <= set(d)
     # the reference trains ResNet-18 on Kvasir and Fed-ISIC2019, the two-conv CNN elsewhere
     assert cfg.model.name == ("resnet18" if name in ("kvasir", "fedisic") else "cnn") and name in DATASETS.names()
+
+
+def test_cifar10_jpeg_tarballs_are_unpacked_once_into_the_cache(tmp_path, monkeypatch):
+    """A data folder holding only cifar10/cifar10_{train,test}_jpg.tar.gz (the shared folder's layout)
+    loads without a manual `tar xzf`: the tarballs are unpacked once into the cache directory, image by
+    image the same tree, and a second load unpacks nothing."""
+    classes = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    tree, data = tmp_path / "tree", tmp_path / "data" / "cifar10"
+    rng = np.random.default_rng(0)
+    for split, per_class in (("train", 2), ("test", 1)):
+        for c in classes:
+            for i in range(per_class):
+                _jpeg(tree / split / c / f"{i:04d}.jpg", rng.integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    data.mkdir(parents=True)
+    for split in ("train", "test"):
+        with tarfile.open(data / f"cifar10_{split}_jpg.tar.gz", "w:gz") as tar:
+            tar.add(tree / split, arcname=split)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FEDFEW_CACHE_DIR", str(cache))
+    ds = DATASETS.get("cifar10")(_cfg(image_size=32, cache=False), data.parent)
+    assert len(ds) == 30 and ds.class_names == classes
+    assert ds.targets.tolist() == [k for k in range(10) for _ in range(2)] + list(range(10))
+    assert ds.official_test.tolist() == [False] * 20 + [True] * 10
+    unpacked = list((cache / "cifar10_jpg").iterdir())
+    assert len(unpacked) == 1 and not any(p.name.startswith(".unpacking-") for p in (cache / "cifar10_jpg").iterdir())
+    first = unpacked[0] / "train" / "airplane" / "0000.jpg"
+    assert first.read_bytes() == (tree / "train" / "airplane" / "0000.jpg").read_bytes()
+    stamp = first.stat().st_mtime_ns
+    again = DATASETS.get("cifar10")(_cfg(image_size=32, cache=False), data.parent)
+    assert torch.equal(again.inputs, ds.inputs) and first.stat().st_mtime_ns == stamp  # not unpacked again

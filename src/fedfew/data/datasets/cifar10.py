@@ -4,7 +4,8 @@ Source order (the first that exists is used; all give labels in the official ord
 also the alphabetical order of the class names):
 
 1. an ImageFolder tree ``<data_dir>/cifar10/train/<class>/*`` + ``<data_dir>/cifar10/test/<class>/*``
-   (any image format, e.g. the JPEG tarballs of a shared data folder, unpacked);
+   (any image format), or its JPEG tarballs ``<data_dir>/cifar10/cifar10_{train,test}_jpg.tar.gz``,
+   unpacked once into the cache directory (``$FEDFEW_CACHE_DIR``);
 2. torchvision's format, the python pickles ``cifar-10-batches-py/{data_batch_1..5,test_batch,
    batches.meta}`` in ``<data_dir>/`` or ``<data_dir>/cifar10/``;
 3. a download with ``torchvision.datasets.CIFAR10(<data_dir>/cifar10, download=True)`` when
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedfew.data.cache import TensorCache, files_identity
 from fedfew.data.datasets import DATASETS
 from fedfew.data.images import (
     ImageDataset,
@@ -113,11 +115,53 @@ def _pickle_root(data_dir: Path, spec: CifarSpec) -> Path | None:
     return None
 
 
+def _archives(base: Path, spec: CifarSpec) -> list[Path] | None:
+    """``<base>/<name>_train_jpg.tar.gz`` and ``<name>_test_jpg.tar.gz`` when both exist (the JPEG
+    tarballs of a shared data folder), else ``None``."""
+    tars = [base / f"{spec.name}_{split}_jpg.tar.gz" for split in ("train", "test")]
+    return tars if all(t.is_file() for t in tars) else None
+
+
+def _unpacked(tars: list[Path], spec: CifarSpec, data_dir: Path) -> Path | None:
+    """The ImageFolder tree of the JPEG tarballs, unpacked once into the cache directory
+    (``$FEDFEW_CACHE_DIR/<name>_jpg/<identity of the tarballs>/{train,test}/<class>/``), so a
+    read-only data folder needs no manual ``tar xzf``. ``None`` when caching is off (the caller
+    then asks the user to unpack). Unpacked into a temporary folder first and renamed, so an
+    interrupted unpack leaves nothing half-written; members outside the folder are refused
+    (tarfile's ``data`` filter)."""
+    import shutil
+    import tarfile
+    import tempfile
+
+    cache = TensorCache(data_dir=data_dir)
+    if not cache.enabled:
+        return None
+    target = cache.root / f"{spec.name}_jpg" / files_identity(tars)[:16]
+    if find_folder_layout(target) is None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".unpacking-", dir=target.parent))
+        try:
+            log.info("%s: unpacking %s into %s (once)", spec.name, ", ".join(t.name for t in tars), target)
+            for tar_path in tars:
+                with tarfile.open(tar_path, mode="r:*") as tar:
+                    tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+            shutil.rmtree(target, ignore_errors=True)
+            tmp.rename(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def load_cifar(spec: CifarSpec, cfg: Any, data_dir: Path) -> ImageDataset:
-    """CIFAR-10/100 from an ImageFolder tree, the pickles, or a download (see module doc)."""
+    """CIFAR-10/100 from an ImageFolder tree (or its JPEG tarballs), the pickles, or a download
+    (see module doc)."""
     data_dir = Path(data_dir)
     base = data_dir / spec.name
     layout = find_folder_layout(base)
+    tars = _archives(base, spec) if layout is None else None
+    if tars is not None:
+        unpacked = _unpacked(tars, spec, data_dir)
+        layout = None if unpacked is None else find_folder_layout(unpacked)
     if layout is not None:
         classes = list_class_folders(layout[0][0])
         if len(classes) != spec.num_classes:

@@ -235,6 +235,18 @@ def test_study_is_reproducible_resumes_and_writes_a_preset(tmp_path, fake, monke
     before = len(log.read_text().splitlines())
     assert tune.main([*argv(whole, 5), "trainer.threads=2"], command=command) == 0
     assert len(log.read_text().splitlines()) == before
+    # the same command again: the finished preset keeps the command and date that chose it
+    assert tune.main(argv(whole, 5), command=command) == 0
+    preset = whole / "presets" / "digits_fedavg.yaml"
+    made_then = preset.read_text().replace("# made by: ", "# made by: the first invocation, ")
+    preset.write_text(made_then)
+    monkeypatch.setenv("FEDFEW_TUNE_MADE_BY", "a later invocation")
+    assert tune.main(argv(whole, 5), command=command) == 0
+    assert preset.read_text() == made_then
+    preset.write_text(made_then.replace("# trials: 5 sampled", "# trials: 4 sampled"))
+    assert tune.main(argv(whole, 5), command=command) == 0
+    assert "a later invocation" in preset.read_text() and "# trials: 5 sampled" in preset.read_text()  # other content: rewritten
+    monkeypatch.delenv("FEDFEW_TUNE_MADE_BY")
     study = load(whole)  # tune.md still sums the trials of the earlier invocation that ran them
     summed = sum(t.user_attrs["wall_s"] for t in studies.completed(study)) + study.user_attrs["defaults"]["wall_s"]
     assert summed > 0 and f"summed over every invocation: {summed / 60:.1f} min (1 at a time)" in (whole / "tune.md").read_text()
@@ -410,6 +422,26 @@ def test_parallel_trials_finish_the_same_budget(tmp_path, fake, monkeypatch):
     assert (failing / "presets" / "digits_local.yaml").is_file()
     assert not (failing / "presets" / "digits_fedavg.yaml").exists()
     assert "| local |" in (failing / "tune.md").read_text()
+
+
+def test_a_study_resumed_at_its_confirmation_lets_the_next_algorithm_start(tmp_path, fake, monkeypatch):
+    """A study whose trials are all finished queues no batch: it must still signal the next
+    algorithm's study to start (else a worker idles through the confirmation runs)."""
+    import threading
+
+    command, _ = fake
+    out = tmp_path / "out"
+    assert tune.main(argv(out, 1), command=command) == 0
+    queued, seen = threading.Event(), []
+
+    def confirmation_run(*args):  # every run of the resumed study is a confirmation or margin run
+        seen.append(queued.wait(10))
+        return 0.5, 1.0, 1.0
+
+    monkeypatch.setattr(studies, "run_trial", confirmation_run)
+    plan, = tuning.plans(tune.parse_args(argv(out, 1)))
+    studies.tune_algorithm(plan, command, lambda line: None, studies.Slots(2), 0, queued)
+    assert seen == [True, True]   # the margin and the seed-1 confirmation, each after the signal
 
 
 def test_a_free_worker_takes_the_earliest_listed_algorithms_run_and_stop_starts_nothing():

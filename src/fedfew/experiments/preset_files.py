@@ -17,6 +17,7 @@ from fedfew.experiments.tuning import Plan, _fmt_values
 
 #: a chosen value this close to a bound (a fraction of the range, log scale for a log key) is reported
 EDGE = 0.1
+MADE_BY = "# made by:"  # the line a resumed tune leaves as it was (_write_unless_only_made_by_differs)
 
 
 def range_edges(space: Sequence[Dimension], values: dict[str, Any]) -> list[str]:
@@ -76,7 +77,7 @@ def preset_text(plan: Plan, study, command: str, best: Choice | None = None) -> 
         f"# confirmed: {confirmed_text(best)}",
         f"# stability margin: {margin_text(best)}",
         *([f"# at a range edge, the range may bind: {'; '.join(edges)} (docs/tuning.md)"] if edges else []),
-        f"# made by: {os.environ.get('FEDFEW_TUNE_MADE_BY') or 'python -m fedfew.tune'} on "
+        f"{MADE_BY} {os.environ.get('FEDFEW_TUNE_MADE_BY') or 'python -m fedfew.tune'} on "
         f"{datetime.date.today().isoformat()}",
         f"# command: {portable_command(command)}",
     ]
@@ -122,17 +123,26 @@ def margin_text(best: Choice) -> str:
                    if m["diverged"] else f"finite, validation {m['value']:.4f}")
 
 
+def _write_unless_only_made_by_differs(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` unless the file there holds the same preset with another
+    ``# made by:`` line: a resumed tune keeps the command and date that chose a finished preset."""
+    def content(t: str) -> list[str]:
+        return [line for line in t.splitlines() if not line.startswith(MADE_BY)]
+
+    if path.is_file() and content(path.read_text()) == content(text):
+        return
+    atomic_write_text(path, text)
+
+
 def _write_preset(plan: Plan, study, out: Path, install: Path | None, command_line: str, echo) -> str:
     """Write one algorithm's preset (``<out>/presets``, and the folder ``install`` unless None);
     returns its row of tune.md."""
     best = choice(study)
     text = preset_text(plan, study, command_line, best)
     name = f"{plan.dataset}_{plan.algorithm}.yaml"
-    atomic_write_text(out / "presets" / name, text)
-    written = [out / "presets" / name]
-    if install is not None:
-        atomic_write_text(install / name, text)
-        written.append(install / name)
+    written = [out / "presets" / name] + ([install / name] if install is not None else [])
+    for path in written:
+        _write_unless_only_made_by_differs(path, text)
     wall = tuning_seconds(study)
     edges = range_edges(plan.space, best.values)
     echo(f"{plan.algorithm}: best validation acc {best.value:.4f} with {_fmt_values(best.values)} "

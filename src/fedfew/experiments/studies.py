@@ -317,6 +317,8 @@ def _tune(plan: Plan, command: Sequence[str], echo: Callable[[str], None], slots
         if stopped is not None:
             raise stopped if isinstance(stopped, TrialInterrupted) else TrialInterrupted(
                 f"{plan.algorithm}: the tune is stopping")
+    # a study resumed at its confirmation queues nothing above: let the next algorithm start on the free worker
+    queued.set()
     _confirm(plan, study, command, echo, slots, priority)
     return study
 

@@ -53,10 +53,6 @@ class ClientTraining(Algorithm):
     its own ``begin_round`` / ``end_round`` (the server step).
     """
 
-    #: True for methods with per-client host state (personal models, heads); that state stays
-    #: on the process that owns the client (the round loop never moves a client)
-    client_state: bool = False
-
     def local_train(
         self, client: ClientSplit, rnd: int, k: int | None, *, epochs: int | None = None,
         penalty: Callable[[nn.Module], torch.Tensor] | None = None, stream: Any = None,

@@ -87,8 +87,6 @@ class APFL(Averaging):
                  "adaptive": "true | false",
                  "alpha_lr": "null or number > 0 (null: optim.lr)"}
 
-    client_state = True
-
     row_shapes = {"loss": lambda K: (1,), "alpha": lambda K: (1,)}
     #: client_alpha: each participant's mixing weight alpha_i after the round
     log_keys = {**Averaging.log_keys, "loss": Kind.PER_CLIENT, "client_alpha": Kind.PER_CLIENT}

@@ -36,8 +36,6 @@ class Ditto(Averaging):
     key_rules = {"lam": "number >= 0",
                  "personal_epochs": "null or integer >= 1 (null: local_epochs)"}
 
-    client_state = True
-
     row_shapes = {"loss": lambda K: (1,), "personal_loss": lambda K: (1,)}
     log_keys = {**Averaging.log_keys, "loss": Kind.PER_CLIENT, "personal_loss": Kind.PER_CLIENT}
 

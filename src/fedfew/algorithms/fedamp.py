@@ -118,8 +118,6 @@ class FedAMP(ClientTraining):
     #: the mean squared distance between the participants' models, and each one's largest neighbour weight
     log_keys = {"loss": Kind.PER_CLIENT, "mean_sq_distance": Kind.SCALAR, "neighbour_weight": Kind.PER_CLIENT}
 
-    client_state = True
-
     def __init__(self, cfg: DictConfig, ctx) -> None:
         super().__init__(cfg, ctx)
         self.alphaK = float(cfg.alphaK)

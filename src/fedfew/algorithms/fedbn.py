@@ -69,8 +69,6 @@ class FedBN(FedAvg):
 
     key_rules = {"local_affine": "true | false (keep the BatchNorm weight and bias local too)"}
 
-    client_state = True
-
     def __init__(self, cfg: DictConfig, ctx: Context) -> None:
         super().__init__(cfg, ctx)
         if not has_batch_norm(ctx.module.working):

@@ -191,7 +191,6 @@ class FedEM(Averaging):
     key_rules = {"K": "integer >= 1 (mixture components)",
                  "init": "independent | identical"}
 
-    client_state = True
     watch_collapse = True
     collapse_hint = ("Keys that help: a smaller algorithm.K, algorithm.init=independent (identical components take "
                      "equal responsibilities). The component that fits best early takes the responsibilities, and a "

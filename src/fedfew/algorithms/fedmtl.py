@@ -77,8 +77,6 @@ class FedMTL(ClientTraining):
 
     key_rules = {"lam": "number >= 0"}
 
-    client_state = True
-
     row_shapes = {"loss": lambda K: (1,)}
     #: clients_moved: the participants whose (finite) personal model moved the server's mean this round
     log_keys = {"loss": Kind.PER_CLIENT, "clients_moved": Kind.SCALAR}

@@ -71,8 +71,6 @@ class FedRep(Averaging):
 
     key_rules = {"head_epochs": "integer >= 0 (local epochs on the personal head)"}
 
-    client_state = True
-
     def __init__(self, cfg, ctx) -> None:
         super().__init__(cfg, ctx)
         _check_body_head(ctx.module.working)

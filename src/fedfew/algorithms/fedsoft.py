@@ -63,7 +63,6 @@ from fedfew.algorithms.base import Hint
 from fedfew.core.model_set import assign_state_, flat_state, state_numel, unflatten_like
 
 
-
 @torch.no_grad()
 def per_sample_losses(models: list[nn.Module], data: FederatedData, index: torch.Tensor,
                       batch_size: int = 1024) -> torch.Tensor:
@@ -124,7 +123,6 @@ class FedSoft(Averaging):
                  "score": "personal | centres",
                  "init": "independent | identical"}
 
-    client_state = True
     watch_collapse = True
     collapse_keys = (Hint("algorithm.init", "independent"), Hint("algorithm.K", change="a smaller"))
 

@@ -31,8 +31,6 @@ class Local(ClientTraining):
     key_rules: dict[str, str] = {}  # no keys of its own
     log_keys = {"loss": Kind.PER_CLIENT}  # each client trains its own model; nothing is averaged
 
-    client_state = True
-
     row_shapes = {"loss": lambda K: (1,)}
 
     @classmethod

@@ -58,3 +58,22 @@ def test_usage_names_this_interpreter(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert capsys.readouterr().out.startswith(f"usage: {python_command('fedfew.bench')} ")
+
+
+def test_peak_host_memory_is_the_kernels_high_water_mark_and_grows_with_a_touched_allocation():
+    """results.json's and the benchmark's peak_host figure: Linux's VmHWM of this process."""
+    import numpy as np
+
+    from fedfew.core.resources import peak_device_mib, peak_host_mib
+
+    def status_mib(key: str) -> float:
+        line = next(line for line in open("/proc/self/status") if line.startswith(key + ":"))
+        return int(line.split()[1]) / 1024   # kB
+
+    assert peak_host_mib() == pytest.approx(status_mib("VmHWM"), abs=1.0)
+    resident = status_mib("VmRSS")
+    block = np.ones(300 * 2**20 // 8)          # 300 MiB, every page written
+    assert status_mib("VmRSS") >= resident + 290
+    assert peak_host_mib() >= status_mib("VmRSS") - 1 and peak_host_mib() == pytest.approx(status_mib("VmHWM"), abs=1.0)
+    del block
+    assert peak_device_mib("cpu") is None

@@ -392,10 +392,13 @@ def test_small_comparison_writes_the_table_and_resumes(tmp_path, capsys):
     for alg, res in results.items():
         assert float(rows[alg]["acc_mean"]) == pytest.approx(res["summary"]["acc_mean"], abs=1e-6)
         assert res["config"]["rounds"] == 2 and res["config"]["num_clients"] == 4
+        assert 100 < res["peak_host_memory_mib"] < 24 * 1024 and res["peak_device_memory_mib"] is None  # torch alone > 100 MiB
+        assert float(rows[alg]["peak_host_memory_mib"]) == pytest.approx(res["peak_host_memory_mib"])  # one seed: its own
     assert results["fedavg"]["partition_hash"] == results["local"]["partition_hash"]  # the same partition
     majority = [c["majority_acc"] for c in results["local"]["clients"]]
     assert float(rows[MAJORITY]["acc_mean"]) == pytest.approx(sum(majority) / len(majority), abs=1e-6)
     assert "| fedavg |" in (out / "compare.md").read_text()
+    assert f"| {results['local']['peak_host_memory_mib'] / 1024:.2f} |" in (out / "compare.md").read_text()
 
     # another thread count (JOBS=1 after JOBS=2) is the same experiment: reused, not refused
     assert compare.main(argv("fedavg", extra=["--", "rounds=2", "num_clients=4", "logger=none"])) == 0

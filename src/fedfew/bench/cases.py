@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedfew.bench.common import _sync, peak_host_mb
+from fedfew.bench.common import _sync
+from fedfew.core.resources import peak_host_mib
 from fedfew.bench.measure import Recorder, peak_matmul_flops, replay_pure
 from fedfew.bench.synthetic import synthetic_images, synthetic_texts
 from fedfew.config.compose import compose
@@ -33,7 +34,7 @@ def case_round(spec: dict) -> dict:
     device = torch.device(spec["device"])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    base_rss = peak_host_mb()
+    base_rss = peak_host_mib()
     with tempfile.TemporaryDirectory() as tmp:
         sim = build_case_sim(spec, Path(tmp))
         cfg = sim.cfg
@@ -80,7 +81,7 @@ def case_round(spec: dict) -> dict:
             _sync(device)
             out["evaluate_s"] = time.perf_counter() - start
             out["evaluated_samples"] = sum(len(c.train) + len(c.test) for c in sim.host_data.clients)
-    out["peak_host_mb"] = peak_host_mb()
+    out["peak_host_mb"] = peak_host_mib()
     out["peak_device_mb"] = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     return out
 

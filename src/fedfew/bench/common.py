@@ -3,7 +3,6 @@ device synchronisation, peak host memory, the issue's targets and the report's n
 from __future__ import annotations
 
 import os
-import resource
 import time
 from typing import Any
 
@@ -25,11 +24,6 @@ def _sync(device) -> None:
 
     if getattr(device, "type", str(device)) == "cuda":
         torch.cuda.synchronize(device)
-
-
-def peak_host_mb() -> float:
-    """Peak resident memory of this process so far (MiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def load_average() -> list[float] | None:

@@ -46,9 +46,15 @@ CSV_FIELDS = (
     "rounds", "local_steps", "server_models", "bytes_up_per_round", "bytes_down_per_round",
     "bytes_up_per_client_round", "bytes_down_per_client_round", "params_up_per_client_round",
     "params_down_per_client_round", "num_parameters", "participants_per_round",
-    "seconds_per_round", "wall_time_s", "lr", "hyperparameters", "preset",
+    "seconds_per_round", "wall_time_s", "peak_host_memory_mib", "lr", "hyperparameters", "preset",
     "local_epochs", "batch_size", "num_clients",
 )
+
+
+def _max(xs: Sequence[float | None]) -> float | None:
+    """The largest known value (runs made before a figure was recorded give None)."""
+    known = [x for x in xs if x is not None]
+    return max(known) if known else None
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -313,6 +319,7 @@ def summarize(results: dict[tuple[str, int], dict[str, Any]], algorithms: Sequen
                                      "params_down_per_client_round", "num_parameters", "participants_per_round")},
             "seconds_per_round": _mean([r["seconds_per_round"] for r in runs.values()]),
             "wall_time_s": _mean([r.get("wall_time_s") for r in runs.values()]),
+            "peak_host_memory_mib": _max([r.get("peak_host_memory_mib") for r in runs.values()]),
             "lr": cfg["optim"]["lr"], "hyperparameters": own_keys(cfg),
             "preset": (presets or {}).get(alg, ""),
             "local_epochs": cfg["local_epochs"], "batch_size": cfg["dataset"]["batch_size"],
@@ -366,6 +373,10 @@ def _mb(value: Any) -> str:
     return "" if value is None else f"{value / 1e6:.3f}"
 
 
+def _gib(mib: float | None) -> str:
+    return "" if mib is None else f"{mib / 1024:.2f}"
+
+
 def to_markdown(rows: Sequence[dict[str, Any]], title: str, notes: Sequence[str] = ()) -> str:
     """compare.md: an accuracy table (mean ± std over seeds; the paired difference against the
     reference method), a budget table, then the notes."""
@@ -391,14 +402,15 @@ def to_markdown(rows: Sequence[dict[str, Any]], title: str, notes: Sequence[str]
                      f"{_pm(r, 'acc_min')} | {_pm(r, 'acc_min_last3')} | {diff}{_fmt(r.get('balanced_acc_mean'))} | "
                      f"{_fmt(r.get('macro_f1_mean'))} | {_fmt(r.get('assignment_ari'), 2)} |")
     lines += ["", "| algorithm | lr | own keys | rounds | local SGD steps | server models | MB up / down per round | "
-                  "s / round |", "|---|---|---|---|---|---|---|---|"]
+                  "s / round | peak host GiB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["algorithm"] == MAJORITY:
             continue
         steps = "" if r.get("local_steps") is None else f"{r['local_steps']:,.0f}"
         lines.append(f"| {r['algorithm']} | {_fmt(r.get('lr'), 4)} | {r.get('hyperparameters', '')} | {r.get('rounds')} | "
                      f"{steps} | {_fmt(r.get('server_models'))} | {_mb(r.get('bytes_up_per_round'))} / "
-                     f"{_mb(r.get('bytes_down_per_round'))} | {_fmt(r.get('seconds_per_round'), 2)} |")
+                     f"{_mb(r.get('bytes_down_per_round'))} | {_fmt(r.get('seconds_per_round'), 2)} | "
+                     f"{_gib(r.get('peak_host_memory_mib'))} |")
     lines.append("")
     lines += [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"

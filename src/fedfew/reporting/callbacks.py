@@ -541,6 +541,10 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
     if results.get("train_seconds_per_round") is not None:
         speed += f"; train {results['train_seconds_per_round']:.2f} s/round (local training and aggregation)"
     lines.append(speed)
+    if results.get("peak_host_memory_mib") is not None:
+        device = results.get("peak_device_memory_mib")
+        lines.append(f"peak memory: host {results['peak_host_memory_mib'] / 1024:.2f} GiB"
+                     + ("" if device is None else f", GPU {device / 1024:.2f} GiB (torch's allocator)"))
     return lines
 
 

@@ -39,6 +39,7 @@ from fedfew.core.io import atomic_torch_save
 from fedfew.models import MODELS, DataInfo
 from fedfew.core.model_set import KModelSet, round_lr
 from fedfew.core.nonfinite import NonFiniteLog
+from fedfew.core.resources import peak_device_mib, peak_host_mib
 from fedfew.core.seeding import derive_seed
 
 if TYPE_CHECKING:  # Lightning's import takes ~3 s (torchmetrics, transformers): a Flower client never needs it
@@ -395,6 +396,9 @@ class Simulation:
             # wall time (training, evaluations, logging) per round, and training alone per round
             "seconds_per_round": wall / max(1, len(self.history)),
             "train_seconds_per_round": sum(float(h["round_time_s"]) for h in self.history) / max(1, len(self.history)),
+            # this process's peaks (rank 0's under Fabric), data loading included; after a resume, since the resume
+            "peak_host_memory_mib": peak_host_mib(),
+            "peak_device_memory_mib": peak_device_mib(fabric.device),
             "world_size": fabric.world_size,
             "budget": self.budget(),
             "nonfinite": nonfinite,

@@ -132,6 +132,15 @@ def test_end_of_run_prints_headline_figures_speeds_and_where(tmp_path, capsys, m
     ]
 
 
+def test_many_clients_print_the_lowest_accuracies_only(capsys):
+    accs = [(7 * i % 50) / 50 for i in range(50)]     # 50 clients, each accuracy once
+    print_client_table(results(accs), max_rows=10)
+    out = capsys.readouterr().out
+    assert "personalized test accuracy: the 5 lowest of 50 clients (every client's: results.json)" in out
+    rows = [line.split("│") for line in out.splitlines() if line.count("│") == 7]
+    assert [(int(r[1]), float(r[5])) for r in rows] == sorted(((i, a) for i, a in enumerate(accs)), key=lambda x: x[1])[:5]
+
+
 def fake_sim(rounds: int, run_dir: Path, start_round: int = 1):
     return SimpleNamespace(rank=0, cfg=SimpleNamespace(rounds=rounds),
                            start_round=start_round, run_dir=run_dir,

@@ -548,20 +548,29 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def print_client_table(results: dict[str, Any], run_dir: str | Path | None = None) -> None:
+def print_client_table(results: dict[str, Any], run_dir: str | Path | None = None, max_rows: int = 40) -> None:
     """Per-client table (size, chosen model, accuracy, majority baseline), the headline figures
     (:func:`summary_lines`) and, with ``run_dir``, where the run is and the commands that open
-    its notebook and plots (:func:`fedfew.core.run_folders.where_lines`)."""
+    its notebook and plots (:func:`fedfew.core.run_folders.where_lines`). Above ``max_rows``
+    clients the table holds the ``max_rows // 2`` lowest accuracies, lowest first (every client
+    is in results.json)."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="personalized test accuracy per client")
+    clients, heading = results["clients"], None
+    if len(clients) > max_rows:
+        clients = sorted(clients, key=lambda c: (c["acc"], c["id"]))[:max_rows // 2]
+        heading = (f"personalized test accuracy: the {len(clients)} lowest of {len(results['clients'])} clients "
+                   "(every client's: results.json)")
+    table = Table(title=None if heading else "personalized test accuracy per client")
     for col in ("client", "n_train", "n_test", "model", "acc", "majority acc"):
         table.add_column(col, justify="right")
-    for c in results["clients"]:
+    for c in clients:
         table.add_row(str(c["id"]), str(c["n_train"]), str(c["n_test"]), str(c["model"]),
                       f"{c['acc']:.4f}", f"{c['majority_acc']:.4f}")
     console = Console(width=120)
+    if heading:
+        console.print(heading, soft_wrap=True, markup=False, highlight=False)
     console.print(table)
     lines = summary_lines(results)
     if run_dir is not None:

@@ -1,0 +1,67 @@
+"""fedfew.reporting.participation: alpha's spread over a round's participants and the rarely
+sampled clients' assignment, checked by hand on a 6-client run folder."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedfew.reporting import participation
+
+
+def write_run(folder):
+    rounds = [{"round": 1, "participants": [0, 1, 3], "alpha": [0.5, 0.25, 0.25]},
+              {"round": 2, "participants": [0, 3, 4], "alpha": [1 / 3, 1 / 3, 1 / 3]},
+              {"round": 3, "participants": [0, 1, 4], "alpha": [0.6, 0.2, 0.2]}]
+    models, groups, accs = [0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1], [0.9, 0.8, 0.3, 0.7, 0.6, 0.5]
+    clients = [{"id": i, "model": m, "group": g, "acc": a} for i, (m, g, a) in enumerate(zip(models, groups, accs))]
+    folder.mkdir()
+    (folder / "history.json").write_text(json.dumps({"algorithm": "fedfew", "rounds": rounds}))
+    (folder / "results.json").write_text(json.dumps({"clients": clients}))
+    return folder
+
+
+def test_a_hand_computed_run(tmp_path, capsys):
+    rep = participation.report(write_run(tmp_path / "run"))
+    # times sampled: client 0 thrice, 1, 3, 4 twice, 2 and 5 never
+    assert rep["never_sampled"] == 2 and rep["rounds"] == 3
+    a = rep["alpha"]
+    # P * max alpha: 1.5, 1, 1.8; 1 / (P * sum alpha^2): 1/1.125, 1, 1/1.32
+    assert a["max_times_p_mean"] == pytest.approx((1.5 + 1 + 1.8) / 3) and a["max_times_p_last"] == pytest.approx(1.8)
+    assert a["effective_share_mean"] == pytest.approx((1 / 1.125 + 1 + 1 / 1.32) / 3)
+    assert a["effective_share_last"] == pytest.approx(1 / 1.32)
+    bins = rep["by_times_sampled"]
+    assert [(b["sampled_min"], b["sampled_max"], b["clients"]) for b in bins] == [(0, 0, 2), (2, 2, 3), (3, 3, 1)]
+    # group 0 mostly model 0, group 1 model 1: never sampled client 2 (group 0, model 1) is off, client 5 on
+    assert bins[0]["with_group_model"] == 0.5 and bins[0]["acc_mean"] == pytest.approx(0.4)
+    assert bins[0]["assignment_ari"] == 0.0           # models [1, 1] against groups [0, 1]
+    assert bins[1]["with_group_model"] == 1.0 and bins[1]["assignment_ari"] == 1.0   # [0, 1, 1] against [0, 1, 1]
+    assert "assignment_ari" not in bins[2]            # one client, one group
+    assert participation.main([str(tmp_path / "run")]) == 0
+    assert "| 0-0 (mean 0.0) | 2 | 0.4000 | 0.50 | 0.00 |" in capsys.readouterr().out
+
+
+def test_methods_without_alpha_and_unfinished_runs(tmp_path, capsys):
+    run = write_run(tmp_path / "run")
+    history = json.loads((run / "history.json").read_text())
+    for r in history["rounds"]:
+        del r["alpha"]
+    (run / "history.json").write_text(json.dumps(history))
+    assert participation.report(run)["alpha"] is None
+    (run / "results.json").unlink()
+    assert participation.main([str(run)]) == 2
+    assert "results.json is missing: give the folder of a finished run" in capsys.readouterr().err
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=200))
+def test_bins_partition_the_clients_in_order_without_splitting_a_count(values):
+    counts = np.asarray(values)
+    bins = participation.sampling_bins(counts)
+    assert 1 <= len(bins) <= 4
+    assert sorted(np.concatenate(bins).tolist()) == list(range(len(counts)))
+    for lower, upper in zip(bins, bins[1:]):
+        assert counts[lower].max() < counts[upper].min()

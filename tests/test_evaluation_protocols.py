@@ -68,10 +68,13 @@ def test_eval_settings_and_their_errors():
     with pytest.raises(ConfigError, match="eval.finetune_epochs=0"):
         validate_config(compose_config("eval.finetune_epochs=0"))
     validate_config(compose_config("eval.split=val", "partition.val_fraction=0.2", "eval.protocol=finetune"))
-    # eval.also: more protocols at the same evaluations; reference (a round of its own) and repeats are refused
+    # eval.also: more protocols at the same evaluations; repeats, unknown ones and reference on val are refused
     assert EvalSettings.from_config(compose_config("eval.also=[finetune]")).protocols == ("final", "finetune")
-    with pytest.raises(ConfigError, match=r"eval.also=\['reference'\]: allowed list of distinct protocols"):
-        validate_config(compose_config("eval.also=[reference]"))
+    validate_config(compose_config("eval.also=[finetune,reference]"))
+    with pytest.raises(ConfigError, match=r"eval.also=\['best'\]: allowed list of distinct protocols"):
+        validate_config(compose_config("eval.also=[best]"))
+    with pytest.raises(ConfigError, match="leave reference out of eval.also when scoring on the validation split"):
+        validate_config(compose_config("eval.split=val", "partition.val_fraction=0.2", "eval.also=[reference]"))
     with pytest.raises(ConfigError, match="repeats eval.protocol=finetune"):
         validate_config(compose_config("eval.protocol=finetune", "eval.also=[finetune]"))
     with pytest.raises(ValueError, match="eval.also=\\['finetune', 'finetune'\\]"):
@@ -136,6 +139,17 @@ def test_reference_reports_the_best_round_and_says_it_is_optimistic(tmp_path, cp
     assert s["optimistic"] is True and s["protocol"] == "reference"
     assert s["best_round"] == best and s["acc_mean"] == pytest.approx(accs[best])
     assert s["final_round_acc_mean"] == pytest.approx(accs[3])
+    # the same figures from a final-protocol run that scores reference (and finetune) at its evaluations too
+    both_sim, both = _fit(tmp_path, cpu_fabric, "also", "eval.also=[finetune,reference]", "optim.lr=0.9")
+    also = both["also"]["reference"]
+    assert also["summary"] == s and also["clients"] == res["clients"] and also["evaluations"] == res["evaluations"]
+    assert both["also"]["finetune"]["summary"]["acc_mean"] == pytest.approx(accs[3])   # finetune: the final round
+    assert both["summary"]["protocol"] == "final" and both["summary"]["optimistic"] is False
+    # the best round so far travels in checkpoints, so a resumed run reports the same
+    assert both_sim.best_also["reference"]["round"] == best
+    resumed = Simulation(_cfg("eval.also=[finetune,reference]", "optim.lr=0.9"), cpu_fabric, tmp_path / "resumed")
+    resumed.load_state_dict(both_sim.state_dict(3))
+    assert resumed.best_also == both_sim.best_also
 
 
 @pytest.mark.slow

@@ -94,8 +94,9 @@ RULES: list[Rule] = [
     Rule("eval.finetune_epochs", "integer >= 1 (finetune / reference)", lambda v: _is_int(v) and v >= 1),
     Rule("eval.split", "test | val (val: score on the validation split, never on test; needs partition.val_fraction > 0)",
          lambda v: v in ("test", "val")),
-    Rule("eval.also", "list of distinct protocols among final, finetune, without eval.protocol (e.g. [finetune])",
-         lambda v: _is_list(v) and all(p in ("final", "finetune") for p in v) and len(set(v)) == len(v)),
+    Rule("eval.also", "list of distinct protocols among final, finetune, reference, without eval.protocol "
+                      "(e.g. [finetune])",
+         lambda v: _is_list(v) and all(p in ("final", "finetune", "reference") for p in v) and len(set(v)) == len(v)),
     Rule("participation", "number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1),
     Rule("checkpoint_every", "integer >= 0 (0: only on SIGTERM/SIGUSR1/Ctrl-C)", lambda v: _is_int(v) and v >= 0),
     Rule("resume_extend_rounds", "true | false (true: a resume may raise rounds above the checkpoint's)",
@@ -255,6 +256,9 @@ def validate_config(cfg: DictConfig) -> None:
     if _lookup(cfg, "eval.split") == "val" and _lookup(cfg, "eval.protocol") == "reference":
         problems.append("  eval.split=val with eval.protocol=reference: the reference protocol picks the best round "
                         "on test; use eval.protocol=final or finetune when scoring on the validation split")
+    if _lookup(cfg, "eval.split") == "val" and _is_list(also) and "reference" in also:
+        problems.append(f"  eval.split=val with eval.also={list(also)}: the reference protocol picks the best round "
+                        "on test; leave reference out of eval.also when scoring on the validation split")
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(problems))
 

@@ -386,7 +386,7 @@ class FlowerSimulation(Simulation):
         """Every client picks its model and is scored on its node; the table and its summary are
         :func:`fedfew.simulator.evaluation.summarize`'s, as in the simulator (clients that did not answer
         are left out of the table and named in ``summary.clients_missing``)."""
-        from fedfew.simulator.evaluation import OPTIMISTIC, best_round, summarize
+        from fedfew.simulator.evaluation import OPTIMISTIC, summarize
 
         content = self._broadcast(rnd, self.algorithm.state_dict(), [])
         replies = self.federation.exchange("evaluate", f"evaluation {rnd}", {c: content(c) for c in range(self.num_clients)})
@@ -411,8 +411,7 @@ class FlowerSimulation(Simulation):
         if settings.also:
             result["also"] = {p: results[p] for p in settings.also}
         result["round"] = rnd
-        if settings.optimistic:
-            self.best_evaluation = best_round(self.best_evaluation, result)
+        self.remember_best(result)
         return result
 
     def save_checkpoint(self, rnd: int) -> None:

@@ -21,7 +21,8 @@ Protocols (``eval.protocol``), the same for every algorithm, applied here and no
   Choosing the round on test data flatters every method: results carry ``optimistic: true``.
 
 ``eval.also`` (e.g. ``[finetune]``) scores the same selected models under more protocols at the
-same evaluations (``final`` / ``finetune``; the result's ``also``). A run trains the same under
+same evaluations (``final`` / ``finetune`` / ``reference``, which shares finetune's fine-tuned
+copies and keeps its own best round; the result's ``also``). A run trains the same under
 every protocol, so one run gives the figures of both runs, for about one local epoch per client
 and evaluation more.
 
@@ -54,8 +55,8 @@ _COLUMNS = ("model", "selection_loss", "correct", "n_test", "majority_correct", 
 #: evaluation protocols (``eval.protocol``) and the ones whose figures are optimistic
 PROTOCOLS = ("final", "finetune", "reference")
 OPTIMISTIC = frozenset({"reference"})
-#: the protocols ``eval.also`` may add (reference chooses a round of its own, so it stays a run's own protocol)
-ALSO = ("final", "finetune")
+#: the protocols ``eval.also`` may add (reference keeps its own best round: Simulation.remember_best)
+ALSO = ("final", "finetune", "reference")
 _FINETUNES = frozenset({"finetune", "reference"})
 SPLITS = ("test", "val")
 
@@ -234,7 +235,7 @@ def evaluate_clients(
         majority_acc_weighted, models_served, models_in_use, assignment_ari when the clients
         have known groups and the algorithm keeps several server models, and protocol,
         eval_split, optimistic); with ``eval.also``, ``also``: protocol -> the same two keys for
-        that protocol (the same selection; ``optimistic`` false).
+        that protocol (the same selection; ``optimistic`` true for reference only).
     """
     settings = EvalSettings.from_config(ctx.cfg)
     device = ctx.fabric.device
@@ -290,15 +291,16 @@ def best_round(current: dict[str, Any] | None, candidate: dict[str, Any]) -> dic
     return current
 
 
-def reported(final: dict[str, Any], best: dict[str, Any] | None, settings: EvalSettings) -> dict[str, Any]:
-    """The evaluation a run reports: the final one, or under ``reference`` the best round
-    (:func:`best_round` over every evaluation), its summary marked with ``best_round``,
-    ``final_round_acc_mean`` and ``optimistic: true``.
+def reported(final: dict[str, Any], best: dict[str, Any] | None, optimistic: bool) -> dict[str, Any]:
+    """The evaluation a run reports under one protocol: the final one, or for an ``optimistic``
+    protocol (``reference``) the best round (:func:`best_round` over every evaluation), its
+    summary marked with ``best_round``, ``final_round_acc_mean`` and ``optimistic: true``.
 
     Args:
-        final: the last evaluation. best: the best one so far (None: ``final``).
+        final: the last evaluation (``clients``, ``summary``, ``round``). best: the best one so
+            far (None: ``final``).
     """
-    if not settings.optimistic or best is None:
+    if not optimistic or best is None:
         return final
     chosen = best_round(best, final)
     out = {**chosen, "summary": {**chosen["summary"]}}

@@ -33,7 +33,7 @@ from fedfew.data.base import FederatedData
 from fedfew.data.federated import build_federated_data, to_device
 from fedfew.core.distributed import all_reduce_, gather_rows, merge_dicts
 from fedfew.core.budget import StepCounter, communication
-from fedfew.simulator.evaluation import EvalSettings, best_round, evaluate_clients, reported
+from fedfew.simulator.evaluation import OPTIMISTIC, EvalSettings, best_round, evaluate_clients, reported
 from fedfew.simulator.run_view import RunView
 from fedfew.core.io import atomic_torch_save
 from fedfew.models import MODELS, DataInfo
@@ -134,6 +134,7 @@ class Simulation:
         self.count_steps = str(cfg.get("engine", "loop")) != "vmap"
         self.eval_settings = EvalSettings.from_config(cfg)
         self.best_evaluation: dict[str, Any] | None = None  # eval.protocol=reference: best round so far
+        self.best_also: dict[str, dict[str, Any]] = {}  # eval.also=[reference]: its best round so far
         self.history: list[dict[str, Any]] = []
         self.evaluations: list[dict[str, Any]] = []
         self.start_round = 1
@@ -245,9 +246,17 @@ class Simulation:
         mine = [self.host_data.clients[c] for c in self.my_clients(list(range(self.num_clients)))]
         result = evaluate_clients(self.algorithm, self.ctx, mine, self.num_clients, rnd)
         result["round"] = rnd
+        self.remember_best(result)
+        return result
+
+    def remember_best(self, result: dict[str, Any]) -> None:
+        """Keep the best evaluation so far of every optimistic protocol (``reference``), the
+        run's own (``best_evaluation``) and those of ``eval.also`` (``best_also``)."""
         if self.eval_settings.optimistic:
             self.best_evaluation = best_round(self.best_evaluation, result)
-        return result
+        for protocol, scored in result.get("also", {}).items():
+            if protocol in OPTIMISTIC:
+                self.best_also[protocol] = best_round(self.best_also.get(protocol), {**scored, "round": result["round"]})
 
     @staticmethod
     def _evaluation_entry(rnd: int, evaluation: dict[str, Any]) -> dict[str, Any]:
@@ -279,6 +288,7 @@ class Simulation:
             "data_fingerprint": self.host_data.data_fingerprint,  # checked on resume, with the partition
             "logger_state": self.logger_state,
             "best_evaluation": self.best_evaluation,
+            "best_also": self.best_also,
             "nonfinite": self.nonfinite.state_dict(),
         }
 
@@ -315,6 +325,7 @@ class Simulation:
         self.wall_time_s = float(state.get("wall_time_s", 0.0))
         self.logger_state = dict(state.get("logger_state", {}))
         self.best_evaluation = state.get("best_evaluation")
+        self.best_also = state.get("best_also") or {}  # checkpoints written before eval.also took reference: none
         self.nonfinite.load_state_dict(state.get("nonfinite"))
         self.start_round = int(state["round"]) + 1
 
@@ -370,8 +381,9 @@ class Simulation:
         wall = self.wall_time_s
         last = len(self.history)  # the last round trained (< rounds when the run diverged)
         final = evaluation if evaluation is not None else self.evaluate(last)
-        also = final.get("also", {})  # eval.also: the final round's figures under those protocols
-        final = reported(final, self.best_evaluation, self.eval_settings)  # reference: the best round
+        also = {p: reported({**r, "round": final["round"]}, self.best_also.get(p), p in OPTIMISTIC)
+                for p, r in final.get("also", {}).items()}  # eval.also: the final round's (reference: the best round's)
+        final = reported(final, self.best_evaluation, self.eval_settings.optimistic)  # reference: the best round
         final["summary"]["rounds"] = int(cfg.rounds)
         final["summary"].update(self.algorithm.summary())  # e.g. K=auto's K_changes
         nonfinite = self.nonfinite.as_dict()

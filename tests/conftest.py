@@ -63,12 +63,9 @@ def compose_config(*overrides: str, tuned: bool = False):
     overrides only, not on whatever ``make tune`` last installed."""
     if not tuned and not any(o.lstrip("+~").startswith("tuned") for o in overrides):
         overrides = ("~tuned", *overrides)
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from fedfew.config.compose import compose
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    return compose(overrides, CONF_DIR)
 
 
 @pytest.fixture

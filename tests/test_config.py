@@ -94,9 +94,9 @@ def test_all_problems_reported_at_once():
 
 
 def test_unknown_key_rejected_by_hydra():
-    from hydra.errors import ConfigCompositionException
+    from fedfew.config.compose import ComposeError
 
-    with pytest.raises(ConfigCompositionException):
+    with pytest.raises(ComposeError, match="no_such_key"):
         compose_config("no_such_key=1")
 
 

@@ -71,7 +71,6 @@ component from its own seed | identical).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -84,9 +83,8 @@ from fedfew.algorithms._averaging import Averaging
 from fedfew.algorithms._client_training import loss_row
 from fedfew.algorithms.fedsoft import per_sample_losses
 from fedfew.algorithms.round_log import Kind
-from fedfew.data.base import ClientSplit, FederatedData
-from fedfew.core.local_training import batch_bounds
-from fedfew.core.model_set import KModelSet, has_batch_norm
+from fedfew.data.base import ClientSplit
+from fedfew.core.local_training import train_local
 from fedfew.core.seeding import derive_seed
 
 
@@ -141,49 +139,6 @@ class Mixture(nn.Module):
         return torch.logsumexp(log_probs + self.log_pi[:, None, None], dim=0)
 
 
-def train_weighted(
-    module: KModelSet, data: FederatedData, index: torch.Tensor, weight: torch.Tensor, epochs: int,
-    batch_size: int, seed: int, autocast=None,
-) -> float:
-    """Train ``module.working`` in place on the q-weighted cross-entropy of the samples ``index``.
-
-    :func:`fedfew.core.local_training.train_local` step for step (a fresh ``module.configure_optimizers()``,
-    ``torch.manual_seed(seed)``, :meth:`FederatedData.epoch_order` each epoch, the batches of
-    :func:`fedfew.core.local_training.batch_bounds`), with the minibatch loss (1/|B|) sum_{s in B} q_s l_s in
-    place of the mean cross-entropy; with every q_s = 1 it takes the same steps.
-
-    Args:
-        module: the K-model set; its ``working`` copy is trained.
-        data: pooled tensors. index: (n,) sample indices of the client's train split.
-        weight: (N,) float32 weight of every pooled sample (only those of ``index`` are read).
-        epochs: local epochs E >= 1. batch_size: B >= 1. seed: shuffling/dropout stream.
-        autocast: optional context-manager factory for mixed precision.
-    Returns:
-        the running loss: sample-weighted mean of the weighted minibatch losses of the last epoch.
-    """
-    model = module.working
-    model.train()
-    optimizer = module.configure_optimizers()
-    torch.manual_seed(seed)
-    n = index.numel()
-    bounds = batch_bounds(n, batch_size, merge_single=has_batch_norm(model))
-    running = torch.zeros((), device=index.device)
-    for _ in range(epochs):
-        order = data.epoch_order(index, batch_size)
-        running = torch.zeros((), device=index.device)
-        for start, end in bounds:
-            chunk = order[start:end]
-            x, y = data.batch(chunk)
-            with autocast() if autocast is not None else contextlib.nullcontext():
-                per_sample = F.cross_entropy(model(x), y, reduction="none")
-            loss = (per_sample.float() * weight[chunk]).mean()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            running += loss.detach().float() * y.numel()
-    return float(running) / max(n, 1)
-
-
 @ALGORITHMS.register("fedem")
 class FedEM(Averaging):
     """K shared components, per-client mixture weights pi_i (``pi`` on the host); EM rounds."""
@@ -224,8 +179,8 @@ class FedEM(Averaging):
         for k in range(module.K):
             weight[index] = q[:, k].to(weight.dtype)
             module.load_working(k)
-            train_weighted(module, ctx.data, index, weight, int(run.local_epochs), int(run.dataset.batch_size),
-                           seed=derive_seed(run.seed, "local", rnd, client.id, k), autocast=ctx.autocast)
+            train_local(module, ctx.data, index, int(run.local_epochs), int(run.dataset.batch_size),
+                        seed=derive_seed(run.seed, "local", rnd, client.id, k), autocast=ctx.autocast, sample_weight=weight)
             self.contribute(k, client)
         return {"loss": loss_row(losses.double().mean(dim=0)), "pi": loss_row(pi), "nll": loss_row(nll)}
 

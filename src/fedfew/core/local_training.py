@@ -54,6 +54,7 @@ def train_local(
     penalty: Callable[[nn.Module], torch.Tensor] | None = None,
     autocast=None,
     forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    sample_weight: torch.Tensor | None = None,
 ) -> float:
     """Train ``module.working`` in place with SGD on the samples ``index``.
 
@@ -76,6 +77,9 @@ def train_local(
         autocast: optional context-manager factory (Fabric's ``autocast``) for mixed precision.
         forward: optional replacement of ``module.working``'s forward with the same parameters
             (e.g. its ``torch.compile``-d version); the loss is then its mean cross-entropy.
+        sample_weight: optional (N,) float32 weight q_s of every pooled sample (only those of
+            ``index`` are read): the minibatch loss is then (1/|B|) sum_{s in B} q_s l_s, FedEM's
+            responsibility-weighted M-step (Marfoq et al. 2021); with every q_s = 1 the same steps.
     Returns:
         the running loss: sample-weighted mean of the minibatch cross-entropies of the last
         epoch (the reference's ``running`` loss source), as a Python float.
@@ -93,14 +97,20 @@ def train_local(
         order = data.epoch_order(index, batch_size)
         running = torch.zeros((), device=index.device)
         for start, end in bounds:
-            batch = data.batch(order[start:end])
+            chunk = order[start:end]
+            x, y = data.batch(chunk)
             with autocast() if autocast is not None else contextlib.nullcontext():
-                loss = module.training_step(batch) if forward is None else F.cross_entropy(forward(batch[0]), batch[1])
+                if sample_weight is None:
+                    loss = module.training_step((x, y)) if forward is None else F.cross_entropy(forward(x), y)
+                else:
+                    per_sample = F.cross_entropy(model(x), y, reduction="none")
+            if sample_weight is not None:
+                loss = (per_sample.float() * sample_weight[chunk]).mean()
             total = loss if penalty is None else loss + penalty(model)
             optimizer.zero_grad(set_to_none=True)
             total.backward()
             optimizer.step()
-            running += loss.detach().float() * batch[1].numel()
+            running += loss.detach().float() * y.numel()
     return float(running) / max(n, 1)
 
 

@@ -641,6 +641,15 @@ def test_the_best_candidate_is_confirmed_on_a_second_seed_and_its_margin_reporte
     assert f"# stability margin: at 1.5x the chosen lr (optim.lr={margin_lr}), seed 0: " in text
 
 
+def test_tune_md_names_no_data_folder(tmp_path, fake):
+    """tune.md, like the presets, records the command with data_dir=<data_dir> (committed tunes name no machine's path)."""
+    command, _ = fake
+    out = tmp_path / "out"
+    assert tune.main([*argv(out, 1), f"data_dir={tmp_path / 'where'}"], command=command) == 0
+    text = (out / "tune.md").read_text()
+    assert "data_dir=<data_dir>" in text and str(tmp_path / "where") not in text
+
+
 def test_bad_seeds_and_stability_are_refused_before_any_run(tmp_path, fake):
     command, log = fake
     for more, words in [(["--seeds"], "give one or more distinct seeds"), (["--seeds", "0", "0"], "distinct seeds"),

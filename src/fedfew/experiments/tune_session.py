@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 from fedfew.config import presets
 from fedfew.config.presets import describe_setup, setup_changing
 from fedfew.core.io import atomic_write_text
-from fedfew.core.run_folders import python_command
+from fedfew.core.run_folders import portable_command, python_command
 from fedfew.experiments.launch import exclusive
 from fedfew.experiments.preset_files import _write_preset, tuning_seconds
 from fedfew.experiments.studies import Slots, open_study, tune_algorithm
@@ -77,7 +77,7 @@ def tune_all(args, argv: Sequence[str], command: Sequence[str] = TRAIN_COMMAND,
         finally:
             slots.close(wait=False)
         if lines:
-            table = ["# tune: " + args.dataset, "", f"command: `{command_line}`", "",
+            table = ["# tune: " + args.dataset, "", f"command: `{portable_command(command_line)}`", "",
                      "| algorithm | best validation acc | confirmed on | values | config defaults' validation acc | "
                      f"sampled trials | at {args.stability:g}x its lr | trials' wall time, summed (min) | "
                      "at a range edge (the range may bind) |",

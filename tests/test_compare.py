@@ -19,6 +19,7 @@ from fedfew.config import presets
 from fedfew.experiments import tuning
 from fedfew.experiments.comparison_table import MAJORITY, CompareError, summarize, to_csv, to_markdown
 from fedfew.experiments.comparison import Run
+from fedfew.core.run_folders import CHECKOUT
 
 
 def fake_results(acc_mean: float, majority: list[float], partition: str = "p0", rounds: int = 5,
@@ -455,7 +456,10 @@ def test_a_run_is_reused_from_another_data_folder_with_the_same_data_and_refused
     stamp = (run / "results.json").stat().st_mtime_ns
     ours, theirs = fingerprint.DataCheck(b).fingerprint(made["config"]), fingerprint.DataCheck(c).fingerprint(made["config"])
     assert made["data_fingerprint"] == ours and len(ours) == 64 and theirs != ours
-    assert made["config"]["data_dir"] == str(a)              # kept as provenance; it decides nothing
+    assert made["config"]["data_dir"] == "<data_dir>"        # no machine's folder in committed results
+    written = [p for p in run.rglob("*") if p.is_file() and p.suffix in (".yaml", ".json", ".log")]
+    assert written and not [p for p in written if str(a) in p.read_text() or str(CHECKOUT) in p.read_text()]
+    assert "<checkout>/src/fedfew/conf" in (run / ".hydra" / "hydra.yaml").read_text()
     capsys.readouterr()
 
     assert compare.main(argv(b)) == 0                          # a copy elsewhere: reused, nothing trained
@@ -476,8 +480,10 @@ def test_a_run_is_reused_from_another_data_folder_with_the_same_data_and_refused
     # a run recorded before data_fingerprint was: its partition hash, recomputed on the new data, decides
     shutil.rmtree(run / "checkpoints")
     older = {k: v for k, v in made.items() if k != "data_fingerprint"}
+    older["config"] = {**made["config"], "data_dir": str(a)}   # as runs recorded it before they were made portable
     (run / "results.json").write_text(json.dumps(older))
-    assert compare.main(argv(b)) == 0 and json.loads((run / "results.json").read_text()) == older
+    assert compare.main(argv(b)) == 0                          # reused, and its record made portable
+    assert json.loads((run / "results.json").read_text()) == {**older, "config": made["config"]}
     with pytest.raises(CompareError, match=rf"partition hash {made['partition_hash'][:12]} recorded \(no data "
                                            rf"fingerprint.*\), [0-9a-f]{{12}} on the data in {c}"):
         compare.main(argv(c))

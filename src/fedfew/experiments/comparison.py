@@ -232,7 +232,7 @@ def run_all(runs: Sequence[Run], jobs: int = 1, python: str = sys.executable,
     todo = []
     for run in runs:
         if check_reusable(run) == "done":
-            tidy(run.dir, run.overrides())  # finished by a run a killed comparison left behind
+            tidy(run.dir, run.overrides(), run.log_path)  # finished by a run a killed comparison left behind
             status[run] = "reused"
         else:
             todo.append(run)

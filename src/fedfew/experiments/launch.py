@@ -135,8 +135,13 @@ def progress(run_dir: Path, overrides: Sequence[str]) -> str:
         return "none"
     recorded = recorded_overrides(run_dir)
     wanted = [o for o in overrides if not _key(o).startswith("hydra.")]
-    if recorded is not None and result_overrides(recorded) != result_overrides(wanted):
-        return "stale"
+    if recorded is not None:
+        from fedfew.experiments.portable import portable_text, replacements
+
+        rules = replacements()  # a finished run's record names the checkout as <checkout> (tidy)
+        if [portable_text(o, rules) for o in result_overrides(recorded)] != \
+                [portable_text(o, rules) for o in result_overrides(wanted)]:
+            return "stale"
     return state
 
 
@@ -221,7 +226,7 @@ def launch(overrides: Sequence[str], run_dir: Path, log_path: Path,
                 _RUNNING.discard(proc)
     code = os.waitstatus_to_exitcode(status)
     if code in (0, DIVERGED_EXIT):  # finished, or stopped early as diverged (an outcome with its results)
-        tidy(run_dir, overrides)
+        tidy(run_dir, overrides, log_path)
         (run_dir / FAILED_RESULTS).unlink(missing_ok=True)  # an earlier attempt's, now superseded
     elif not interrupted(code) and (run_dir / RESULTS).exists():
         # it failed after writing its results (plots, W&B, ...): failed now, so failed on every rerun
@@ -230,11 +235,20 @@ def launch(overrides: Sequence[str], run_dir: Path, log_path: Path,
     return code, time.perf_counter() - start, usage.ru_utime + usage.ru_stime, resumed
 
 
-def tidy(run_dir: Path, overrides: Sequence[str]) -> None:
-    """Delete a finished run's checkpoint when :func:`launch` added the checkpointing (not the
-    user); also for a run found finished (e.g. by a process left running by a killed tool)."""
-    if (Path(run_dir) / RESULTS).exists() and checkpointing(overrides):
+def tidy(run_dir: Path, overrides: Sequence[str], log_path: Path | None = None) -> None:
+    """For a finished run (results.json exists; also one found finished, e.g. by a process left
+    running by a killed tool): delete its checkpoint when :func:`launch` added the checkpointing
+    (not the user), and rewrite its folder and log without the machine's paths
+    (:func:`fedfew.experiments.portable.make_portable`: its ``data_dir``, the checkout and the home
+    folder become ``<data_dir>``, ``<checkout>`` and ``~``), since make compare and make tune
+    write results meant to be committed."""
+    from fedfew.experiments.portable import make_portable
+
+    if not (Path(run_dir) / RESULTS).exists():
+        return
+    if checkpointing(overrides):
         shutil.rmtree(Path(run_dir) / "checkpoints", ignore_errors=True)
+    make_portable(run_dir, extra_files=[log_path] if log_path is not None else [])
 
 
 # -- signals ------------------------------------------------------------------------------------

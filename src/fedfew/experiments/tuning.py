@@ -264,7 +264,7 @@ def run_trial(plan: Plan, name: str, values: dict[str, Any], command: Sequence[s
         results_path = run_dir / "results.json"
         code, seconds = 0, 0.0
         if state == "done":
-            tidy(run_dir, overrides)  # finished by a run a killed tune left behind
+            tidy(run_dir, overrides, log_path)  # finished by a run a killed tune left behind
         else:
             code, seconds, used, resumed = launch(overrides, run_dir, log_path, command)
             cpu += used

@@ -298,6 +298,7 @@ def test_a_tune_resumes_from_another_data_folder_with_the_same_data_only(tmp_pat
     ours, theirs = (fingerprint.data_fingerprint(agnews.load(None, d)) for d in (a, c))
     assert tune.main(args(a), command=command) == 0
     assert study().user_attrs["data_fingerprint"] == ours != theirs
+    assert study().user_attrs["settings"]["extra"] == ["data_dir=<data_dir>", "num_clients=2", "rounds=3"]
     before = log.read_text().splitlines()
     assert any(line.endswith("defaults/seed0") for line in before)   # the trials ran, and the config defaults
     assert tune.main(args(b), command=command) == 0              # a copy elsewhere: the same study, nothing rerun
@@ -314,13 +315,15 @@ def test_a_tune_resumes_from_another_data_folder_with_the_same_data_only(tmp_pat
     # one of its finished runs' partition hash decides
     study().set_user_attr("data_fingerprint", None)
     settings = study().user_attrs["settings"]
-    study().set_user_attr("settings", {k: v for k, v in settings.items() if k not in ("confirm_seeds", "stability")})
+    study().set_user_attr("settings", {**{k: v for k, v in settings.items() if k not in ("confirm_seeds", "stability")},
+                                       "extra": [f"data_dir={a}", "num_clients=2", "rounds=3"]})  # and its folder
     config = OmegaConf.to_container(compose_config("dataset=agnews", "algorithm=fedavg", f"data_dir={a}",
                                                    "num_clients=2", "rounds=3", "partition.val_fraction=0.2"), resolve=True)
     run = out / "fedavg" / "trial000" / "seed0" / "results.json"
     run.write_text(json.dumps({**json.loads(run.read_text()), "config": config,
                                "partition_hash": fingerprint.DataCheck(a).partition_hash(config)}))
     assert tune.main(args(b), command=command) == 0 and log.read_text().splitlines() == before
+    assert study().user_attrs["settings"]["extra"] == ["data_dir=<data_dir>", "num_clients=2", "rounds=3"]  # made portable
     with pytest.raises(TuneError, match=r"made from other data \(partition hash [0-9a-f]{12} recorded \(no data "
                                         r"fingerprint"):
         tune.main(args(c), command=command)

@@ -36,7 +36,7 @@ def open_study(plan: Plan):
     """
     import optuna
 
-    from fedfew.core.run_folders import data_mismatch, recorded_data, result_overrides
+    from fedfew.core.run_folders import data_mismatch, portable_overrides, recorded_data, result_overrides
     from fedfew.data.fingerprint import data_check
 
     plan.dir.mkdir(parents=True, exist_ok=True)
@@ -49,9 +49,13 @@ def open_study(plan: Plan):
     # them and is the same study
     after_search = ("confirm_seeds", "stability")
 
+    def portable(settings: dict[str, Any]) -> dict[str, Any]:
+        # as the study records them: data_dir=<data_dir>, no folder of this machine (issue 35, item 4)
+        return {**settings, "extra": portable_overrides(settings.get("extra", []))}
+
     def identity(settings: dict[str, Any]) -> dict[str, Any]:
         # another thread count (JOBS=1 after JOBS=2), logger or data folder is the same study
-        return {**settings, "extra": result_overrides(settings.get("extra", []))}
+        return {**settings, "extra": result_overrides(portable_overrides(settings.get("extra", [])))}
 
     recorded = study.user_attrs.get("settings")
     wanted = json.loads(json.dumps(plan.settings))
@@ -84,10 +88,10 @@ def open_study(plan: Plan):
         raise TuneError(f"{plan.dir} holds a tune of {plan.algorithm} made from other data ({why}); a tune resumes on "
                         f"the same data only, wherever that lies: point data_dir at the data it was made from, use "
                         f"another --out (TUNE_OUT=...) or delete {plan.dir}")
-    if recorded is None:
-        study.set_user_attr("settings", plan.settings)
-        if fingerprint:
-            study.set_user_attr("data_fingerprint", fingerprint)
+    if recorded is None or recorded != portable(recorded):  # an older study's record is made portable too
+        study.set_user_attr("settings", portable(plan.settings if recorded is None else recorded))
+    if recorded is None and fingerprint:
+        study.set_user_attr("data_fingerprint", fingerprint)
     return study
 
 

@@ -73,6 +73,9 @@ def test_the_command_line_tool_rewrites_folders_and_refuses_what_is_not_one(tmp_
     (running / ".hydra").mkdir(parents=True)
     (running / "config.yaml").write_text(f"data_dir: {data}\n")
     (running / "train.log").write_text(f"read {data}/x\n")
+    starting = tmp_path / "cmp" / "ditto" / "seed0"                # just started: .hydra/ only, no config.yaml yet
+    (starting / ".hydra").mkdir(parents=True)
+    (starting / ".hydra" / "hydra.yaml").write_text(f"cwd: {CHECKOUT}\n")
     logs = tmp_path / "cmp" / "logs"
     logs.mkdir()
     (logs / "ifca_seed0.log").write_text(f"$ python -m fedfew.train data_dir={data}\n")   # its log, being written
@@ -85,6 +88,7 @@ def test_the_command_line_tool_rewrites_folders_and_refuses_what_is_not_one(tmp_
     assert old.read_text() == "$ python -m fedfew.train data_dir=<data_dir>\n"
     assert (running / "train.log").read_text() == f"read {data}/x\n"
     assert (running / "config.yaml").read_text() == f"data_dir: {data}\n"
+    assert (starting / ".hydra" / "hydra.yaml").read_text() == f"cwd: {CHECKOUT}\n"
     assert (logs / "ifca_seed0.log").read_text() == f"$ python -m fedfew.train data_dir={data}\n"
     with pytest.raises(SystemExit) as stop:
         portable.main([str(tmp_path / "nowhere")])

@@ -109,7 +109,8 @@ def make_portable(folder: str | Path, data_dirs: Iterable[str | Path] = (), extr
         raise FileNotFoundError(f"{folder} is not a folder: name a run folder, or a make compare / make tune output folder")
     # a run still training (or cut short) is left alone: it appends to its files, and a file
     # replaced under it would lose what it writes next; so is a log written to recently
-    unfinished = [p.parent for p in folder.rglob("config.yaml")
+    # (a run folder: Hydra writes .hydra/ first, config.yaml a moment later)
+    unfinished = [p.parent for p in [*folder.rglob(".hydra"), *folder.rglob("config.yaml")]
                   if p.parent.name != ".hydra" and not (p.parent / "results.json").exists()]
     now = time.time()
     files = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.suffix in TEXT_SUFFIXES

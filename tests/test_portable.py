@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -93,3 +94,21 @@ def test_the_command_line_tool_rewrites_folders_and_refuses_what_is_not_one(tmp_
     with pytest.raises(SystemExit) as stop:
         portable.main([str(tmp_path / "nowhere")])
     assert stop.value.code == 2 and "not a folder" in capsys.readouterr().err
+
+
+def test_committed_results_and_presets_name_no_machine_path():
+    """What the repository holds under results/ and conf/tuned/ names no folder of the machine it
+    is checked out on: not the checkout, not the home folder, not the data folder (issue 35, item 4;
+    runs are made portable by make compare / make tune, older folders by the command-line tool)."""
+    data_dirs = [CHECKOUT.parent / "shared" / "data"]
+    if os.environ.get("FEDFEW_DATA_DIR"):
+        data_dirs.append(Path(os.environ["FEDFEW_DATA_DIR"]))
+    rules = portable.replacements([d for d in data_dirs if d.is_absolute()])
+    tracked = subprocess.run(["git", "ls-files", "results", "conf/tuned"], cwd=CHECKOUT, capture_output=True,
+                             text=True, check=False).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    named = [name for name in tracked if Path(name).suffix in portable.TEXT_SUFFIXES
+             and (text := (CHECKOUT / name).read_text(errors="replace")) != portable.portable_text(text, rules)]
+    assert not named, (f"{len(named)} committed file(s) name a folder of this machine, e.g. {named[:3]}: "
+                       f"run python -m fedfew.experiments.portable on their folders")

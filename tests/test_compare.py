@@ -635,6 +635,39 @@ def test_sigterm_to_the_comparison_alone_stops_its_runs_at_a_checkpoint(tmp_path
     assert leftover.strip() == ""                         # nothing trains on without its parent
 
 
+def test_sigint_to_the_comparison_alone_starts_no_queued_run(tmp_path):
+    """`kill -INT <compare pid>` (SIGINT to the tool alone, not to its process group as Ctrl-C in
+    a terminal does) stops the running run at a checkpoint and starts none of the queued ones: the
+    tool once said "stopped" while its worker thread went on to the next run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "cmp"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedfew.compare", "--dataset", "digits", "--algorithms", "fedavg", "--seeds", "0", "1",
+         "--jobs", "1", "--out", str(out), "--", "rounds=5000", "num_clients=4", "logger=none", "trainer.threads=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    checkpoint = out / "fedavg" / "seed0" / "checkpoints" / "last.ckpt"
+    deadline = time.monotonic() + 300
+    while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert checkpoint.exists(), proc.communicate()[0].decode()[-2000:]
+    proc.send_signal(signal.SIGINT)                       # the comparison's process only
+    try:
+        printed = proc.communicate(timeout=120)[0].decode()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGINT, printed[-2000:]
+    assert "run the same command again to continue" in printed and "Traceback" not in printed
+    assert "stopped by SIGTERM after round" in (out / "logs" / "fedavg_seed0.log").read_text()
+    assert not (out / "logs" / "fedavg_seed1.log").exists() and not (out / "fedavg" / "seed1").exists()
+    leftover = subprocess.run(["pgrep", "-f", f"hydra.run.dir={out}"], capture_output=True, text=True).stdout
+    assert leftover.strip() == ""                         # nothing trains on without its parent
+
+
 def test_own_keys_show_k_only_for_methods_that_have_it():
     """``++algorithm.K=5`` reaches every method's node; the table lists K only where the method
     defines it (conf/algorithm/<name>.yaml), beside the keys its search space tunes."""

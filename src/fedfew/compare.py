@@ -61,7 +61,7 @@ if __name__ == "__main__":
     except (CompareError, Busy, ValueError) as err:  # stale results, a busy folder, unknown names
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM / SIGHUP passed on to the runs
+    except KeyboardInterrupt as err:  # Ctrl-C, SIGINT, SIGTERM or SIGHUP: passed on to the runs
         print("\ncomparison stopped: the finished runs are kept and the running ones saved a checkpoint; run "
               "the same command again to continue", file=sys.stderr)
         sys.exit(stopped_exit_code(err))

@@ -80,7 +80,7 @@ if __name__ == "__main__":
     except (TuneError, PresetError, Busy) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM / SIGHUP passed on to the runs
+    except KeyboardInterrupt as err:  # Ctrl-C, SIGINT, SIGTERM or SIGHUP: passed on to the runs
         print("\ntune stopped: the finished trials are kept and the running ones saved a checkpoint; run the "
               "same command again to continue", file=sys.stderr)
         sys.exit(stopped_exit_code(err))

@@ -199,6 +199,8 @@ def launch(overrides: Sequence[str], run_dir: Path, log_path: Path,
         Busy: a live process already trains ``run_dir`` (:func:`check_not_training`).
     """
     run_dir = Path(run_dir)
+    if _STOPPING.is_set():  # stopping: leave a queued run's folder and log as they are
+        return 128 + signal.SIGTERM, 0.0, 0.0, False
     check_not_training(run_dir)
     extra = [f"checkpoint_every={CHECKPOINT_EVERY}"] if checkpointing(overrides) else []
     resumed = checkpoint_path(run_dir).is_file()
@@ -259,7 +261,7 @@ _STOPPING = threading.Event()
 
 
 class Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGHUP reached the tool (raised in its main thread, like Ctrl-C's
+    """SIGTERM, SIGHUP or SIGINT reached the tool (raised in its main thread, like Ctrl-C's
     KeyboardInterrupt). ``signum``: the signal."""
 
     def __init__(self, signum: int):
@@ -268,11 +270,14 @@ class Stopped(KeyboardInterrupt):
 
 
 def pass_signals_on() -> None:
-    """In the tool's main thread: on SIGTERM or SIGHUP (a ``kill``, Slurm's pre-emption, a closed
-    terminal), send SIGTERM to every running training run, so each saves a checkpoint at the end
-    of its round and stops, start no new run, and raise :class:`Stopped` (Ctrl-C reaches the runs
-    by itself: they share the terminal's process group). Without this the runs would train on with
-    no parent, and a rerun would race them for their folders."""
+    """In the tool's main thread: on SIGTERM, SIGHUP or SIGINT (a ``kill``, Slurm's pre-emption, a
+    closed terminal, Ctrl-C or ``kill -INT``), send SIGTERM to every running training run, so each
+    saves a checkpoint at the end of its round and stops, start no new run, and raise
+    :class:`Stopped`. Without this the runs would train on with no parent, a rerun would race them
+    for their folders, and (SIGINT to the tool alone) a worker thread could start the next queued
+    run after the tool said it stopped. A run that also got Ctrl-C from the terminal takes the
+    extra SIGTERM as the same request (:class:`fedfew.core.checkpoint.StopSignal`). SIGINT is left
+    alone where it was ignored at start (a job started with ``nohup ... &`` from a script)."""
 
     def handler(signum, frame):
         with _LOCK:
@@ -285,10 +290,13 @@ def pass_signals_on() -> None:
                 pass
         raise Stopped(signum)
 
-    for signum in (signal.SIGTERM, signal.SIGHUP):
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        if signum == signal.SIGINT and signal.getsignal(signum) is signal.SIG_IGN:
+            continue
         signal.signal(signum, handler)
 
 
 def stopped_exit_code(err: KeyboardInterrupt) -> int:
-    """The tool's exit code after Ctrl-C (130) or :class:`Stopped` (128 + signum)."""
+    """The tool's exit code after :class:`Stopped` (128 + signum; 130 for Ctrl-C), or 130 for a
+    KeyboardInterrupt raised before :func:`pass_signals_on` was installed."""
     return 128 + (err.signum if isinstance(err, Stopped) else signal.SIGINT)

@@ -603,9 +603,10 @@ def test_a_run_stopped_by_a_signal_is_reported_and_continued_on_the_next_invocat
     assert comparison.run_all([run], python=str(python), echo=said.append) == {run: "reused"}
 
 
-def test_sigterm_to_the_comparison_alone_stops_its_runs_at_a_checkpoint(tmp_path):
-    """`kill <compare pid>` (or Slurm pre-empting it) passes SIGTERM on to the running training
-    run, which saves a checkpoint and stops: no run is left training without its parent."""
+def _signal_the_comparison_alone(tmp_path, signum: int, seeds: tuple[str, ...]) -> tuple[int, str, Path]:
+    """Start a digits compare of fedavg on ``seeds`` (one run at a time, long runs), send
+    ``signum`` to the compare's process only once seed 0 has a checkpoint, and wait for it to end.
+    Checks that nothing trains on without its parent. Returns (exit code, output, --out folder)."""
     import signal
     import subprocess
     import sys
@@ -613,40 +614,7 @@ def test_sigterm_to_the_comparison_alone_stops_its_runs_at_a_checkpoint(tmp_path
 
     out = tmp_path / "cmp"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fedfew.compare", "--dataset", "digits", "--algorithms", "fedavg", "--seeds", "0",
-         "--out", str(out), "--", "rounds=5000", "num_clients=4", "logger=none", "trainer.threads=1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    checkpoint = out / "fedavg" / "seed0" / "checkpoints" / "last.ckpt"
-    deadline = time.monotonic() + 300
-    while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert checkpoint.exists(), proc.communicate()[0].decode()[-2000:]
-    proc.send_signal(signal.SIGTERM)                      # the comparison's process only
-    try:
-        printed = proc.communicate(timeout=300)[0].decode()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 128 + signal.SIGTERM, printed[-2000:]
-    assert "run the same command again to continue" in printed and "Traceback" not in printed
-    log = (out / "logs" / "fedavg_seed0.log").read_text()
-    assert "stopped by SIGTERM after round" in log and checkpoint.exists()
-    leftover = subprocess.run(["pgrep", "-f", f"hydra.run.dir={out}"], capture_output=True, text=True).stdout
-    assert leftover.strip() == ""                         # nothing trains on without its parent
-
-
-def test_sigint_to_the_comparison_alone_starts_no_queued_run(tmp_path):
-    """`kill -INT <compare pid>` (SIGINT to the tool alone, not to its process group as Ctrl-C in
-    a terminal does) stops the running run at a checkpoint and starts none of the queued ones: the
-    tool once said "stopped" while its worker thread went on to the next run."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    out = tmp_path / "cmp"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fedfew.compare", "--dataset", "digits", "--algorithms", "fedavg", "--seeds", "0", "1",
+        [sys.executable, "-m", "fedfew.compare", "--dataset", "digits", "--algorithms", "fedavg", "--seeds", *seeds,
          "--jobs", "1", "--out", str(out), "--", "rounds=5000", "num_clients=4", "logger=none", "trainer.threads=1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     checkpoint = out / "fedavg" / "seed0" / "checkpoints" / "last.ckpt"
@@ -654,18 +622,40 @@ def test_sigint_to_the_comparison_alone_starts_no_queued_run(tmp_path):
     while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert checkpoint.exists(), proc.communicate()[0].decode()[-2000:]
-    proc.send_signal(signal.SIGINT)                       # the comparison's process only
+    proc.send_signal(signum)                              # the comparison's process only
     try:
         printed = proc.communicate(timeout=120)[0].decode()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 128 + signal.SIGINT, printed[-2000:]
+    assert checkpoint.exists()
+    leftover = subprocess.run(["pgrep", "-f", f"hydra.run.dir={out}"], capture_output=True, text=True).stdout
+    assert leftover.strip() == ""                         # nothing trains on without its parent
+    return proc.returncode, printed, out
+
+
+def test_sigterm_to_the_comparison_alone_stops_its_runs_at_a_checkpoint(tmp_path):
+    """`kill <compare pid>` (or Slurm pre-empting it) passes SIGTERM on to the running training
+    run, which saves a checkpoint and stops: no run is left training without its parent."""
+    import signal
+
+    code, printed, out = _signal_the_comparison_alone(tmp_path, signal.SIGTERM, ("0",))
+    assert code == 128 + signal.SIGTERM, printed[-2000:]
+    assert "run the same command again to continue" in printed and "Traceback" not in printed
+    assert "stopped by SIGTERM after round" in (out / "logs" / "fedavg_seed0.log").read_text()
+
+
+def test_sigint_to_the_comparison_alone_starts_no_queued_run(tmp_path):
+    """`kill -INT <compare pid>` (SIGINT to the tool alone, not to its process group as Ctrl-C in
+    a terminal does) stops the running run at a checkpoint and starts none of the queued ones: the
+    tool once said "stopped" while its worker thread went on to the next run."""
+    import signal
+
+    code, printed, out = _signal_the_comparison_alone(tmp_path, signal.SIGINT, ("0", "1"))
+    assert code == 128 + signal.SIGINT, printed[-2000:]
     assert "run the same command again to continue" in printed and "Traceback" not in printed
     assert "stopped by SIGTERM after round" in (out / "logs" / "fedavg_seed0.log").read_text()
     assert not (out / "logs" / "fedavg_seed1.log").exists() and not (out / "fedavg" / "seed1").exists()
-    leftover = subprocess.run(["pgrep", "-f", f"hydra.run.dir={out}"], capture_output=True, text=True).stdout
-    assert leftover.strip() == ""                         # nothing trains on without its parent
 
 
 def test_own_keys_show_k_only_for_methods_that_have_it():

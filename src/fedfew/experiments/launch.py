@@ -199,33 +199,35 @@ def launch(overrides: Sequence[str], run_dir: Path, log_path: Path,
         Busy: a live process already trains ``run_dir`` (:func:`check_not_training`).
     """
     run_dir = Path(run_dir)
-    if _STOPPING.is_set():  # stopping: leave a queued run's folder and log as they are
-        return 128 + signal.SIGTERM, 0.0, 0.0, False
-    check_not_training(run_dir)
-    extra = [f"checkpoint_every={CHECKPOINT_EVERY}"] if checkpointing(overrides) else []
-    resumed = checkpoint_path(run_dir).is_file()
-    if resumed:
-        extra.append(f"resume={checkpoint_path(run_dir)}")
-    argv = [*command, *overrides, *extra]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    with log_path.open("a" if resumed else "w") as log:  # a continued run's log keeps its first part
-        log.write("$ " + " ".join(shlex.quote(a) for a in argv) + "\n")
-        log.flush()
-        with _LOCK:
-            if _STOPPING.is_set():  # a signal arrived: start nothing (an exit code as if stopped at once)
-                return 128 + signal.SIGTERM, 0.0, 0.0, resumed
+    # One check of the stop flag, under the lock that the signal handler takes: a stop that came
+    # first starts nothing and leaves a queued run's folder and log as they were; a stop that comes
+    # after finds the run in _RUNNING and signals it.
+    with _LOCK:
+        if _STOPPING.is_set():
+            return 128 + signal.SIGTERM, 0.0, 0.0, False
+        check_not_training(run_dir)
+        extra = [f"checkpoint_every={CHECKPOINT_EVERY}"] if checkpointing(overrides) else []
+        resumed = checkpoint_path(run_dir).is_file()
+        if resumed:
+            extra.append(f"resume={checkpoint_path(run_dir)}")
+        argv = [*command, *overrides, *extra]
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        with log_path.open("a" if resumed else "w") as log:  # a continued run's log keeps its first part
+            log.write("$ " + " ".join(shlex.quote(a) for a in argv) + "\n")
+            log.flush()
+            # the child gets its own copy of the log's descriptor, so closing ours here is fine
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            _RUNNING.add(proc)
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        finally:
-            with _LOCK:
-                _RUNNING.discard(proc)
+        _RUNNING.add(proc)
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        with _LOCK:
+            _RUNNING.discard(proc)
     code = os.waitstatus_to_exitcode(status)
     if code in (0, DIVERGED_EXIT):  # finished, or stopped early as diverged (an outcome with its results)
         tidy(run_dir, overrides, log_path)

@@ -117,8 +117,9 @@ def make_portable(folder: str | Path, data_dirs: Iterable[str | Path] = (), extr
              and not any(p.is_relative_to(u) for u in unfinished)
              and not (p.suffix == ".log" and not _in_finished_run(p) and now - p.stat().st_mtime < RUNNING_WINDOW_S)]
     files += [Path(p) for p in extra_files if Path(p).is_file()]
-    found = {d for p in folder.rglob("results.json") if (d := recorded_data_dir(p.parent))}
-    found |= {d for p in folder.rglob("config.yaml") if p.parent.name != ".hydra" and (d := recorded_data_dir(p.parent))}
+    run_dirs = {p.parent for p in folder.rglob("results.json")}
+    run_dirs |= {p.parent for p in folder.rglob("config.yaml") if p.parent.name != ".hydra"}
+    found = {d for run_dir in run_dirs if (d := recorded_data_dir(run_dir))}  # one record read per run
     rules = replacements([*data_dirs, *sorted(found)])
     changed = []
     for path in files:

@@ -7,8 +7,6 @@ DATASET ?= digits
 DATA_DIR ?=
 ARGS ?=
 PYTEST_ARGS ?=
-# test processes (pytest-xdist; 0 or 1: one process)
-TEST_JOBS ?= 2
 # the real data beside the checkout (../shared/data) is used by the tests when present
 SHARED_DATA := $(abspath ../shared/data)
 TEST_DATA_DIR := $(or $(DATA_DIR),$(FEDFEW_DATA_DIR),$(wildcard $(SHARED_DATA)))
@@ -57,7 +55,7 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	FEDFEW_DATA_DIR=$(TEST_DATA_DIR) WANDB_MODE=$${WANDB_MODE:-offline} WANDB_SILENT=true \
-		$(BIN)/python -m pytest $(PYTEST_ARGS) $(if $(filter-out 0 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadgroup)
+		$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # SLURM: check the run config on this node (`python -m fedfew.check`: the checks `make train` makes
 # before loading data, and that the dataset's files are under DATA_DIR, a few seconds; a bad config or

@@ -68,45 +68,6 @@ def compose_config(*overrides: str, tuned: bool = False):
     return compose(overrides, CONF_DIR)
 
 
-# -- running in two processes (make test: pytest-xdist, --dist loadgroup) -----------------------------
-# Tests of one xdist group run in one worker, one after another. Why each group exists:
-# - "slurm": the local cluster has 2 CPUs and a Slurm test's job takes both, so a second job would
-#   queue past the test's wait;
-# - "heavy" (marker): long tests that use both cores or wait on a tight timeout (Flower deployments,
-#   the README commands, two tunes or processes at once): two of them side by side would starve;
-# - a costly module- or session-scoped fixture: one worker builds it once instead of each building it.
-SHARED_FIXTURE_GROUPS = {"smoke": "gpu_check_smoke", "sweep": "notebook_sweep", "cifar_dir": "cifar_real",
-                         "checkpoint": "resume_checkpoint"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("slurm"):
-            group = "slurm"
-        elif item.get_closest_marker("heavy"):
-            group = "heavy"
-        else:
-            group = next((g for f, g in SHARED_FIXTURE_GROUPS.items() if f in item.fixturenames), None)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_finish(session):
-    """In a pytest-xdist worker under ``--dist loadgroup``: every grouped test's id must carry its
-    group (``...@slurm``), which is how xdist keeps a group on one worker; pytest 9.2 dropped that
-    silently (pytest-xdist#1386), and two Slurm tests side by side then time out. Stops the run
-    with that said (exit code 2) instead."""
-    if not session.config.getoption("loadgroup", default=False):
-        return
-    lost = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
-    if lost:
-        session.shouldfail = (f"pytest-xdist did not apply the xdist_group of {len(lost)} test(s), e.g. {lost[0]}: "
-                            "this pytest/pytest-xdist pair ignores groups; reinstall with `make install` "
-                            "(pyproject pins a working pair) or run one process: make test TEST_JOBS=1")
-
-
 @pytest.fixture
 def cpu_fabric():
     """A single-process CPU Fabric without loggers."""

@@ -14,7 +14,6 @@ def _positive(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-@pytest.mark.heavy
 @pytest.mark.slow
 def test_flower_row_beside_the_simulator(tmp_path):
     """Tiny M, 2 rounds: one row with positive finite figures for both engines, run on the same config."""

@@ -33,7 +33,6 @@ def assert_same_run(a: tuple[dict, list], b: tuple[dict, list], tol: float = 1e-
             torch.testing.assert_close(sa[name], sb[name], rtol=tol, atol=tol)
 
 
-@pytest.mark.heavy
 @pytest.mark.slow
 def test_two_processes_equal_one(tmp_path):
     common = ("rounds=2", "num_clients=8", "eval_every=1")
@@ -43,7 +42,6 @@ def test_two_processes_equal_one(tmp_path):
     assert_same_run(one, two)
 
 
-@pytest.mark.heavy
 @pytest.mark.slow
 def test_fewer_clients_than_processes_does_not_hang(tmp_path):
     common = ("rounds=2", "num_clients=3", "partition=iid", "eval_every=1")
@@ -53,7 +51,6 @@ def test_fewer_clients_than_processes_does_not_hang(tmp_path):
     assert_same_run(one, four)
 
 
-@pytest.mark.heavy
 @pytest.mark.slow
 def test_checkpoint_holds_every_ranks_client_state(tmp_path):
     """Ditto keeps a personal model per client on the host of the rank that owns the client;

@@ -232,15 +232,14 @@ def _wait(proc: subprocess.Popen, timeout: float, work: Path) -> None:
     assert rc == 0, (work / "deploy.log").read_text()[-3000:]
 
 
-@pytest.mark.heavy
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(420)
 def test_deployment_equals_simulator(deployment, tmp_path):
     """1 SuperLink + 8 SuperNodes (separate processes, own data directories), fedfew, 5 rounds."""
     for pid in range(8):
         deployment.start_node(pid)
     overrides = [o for o in SETUP if not o.startswith("trainer.accelerator")] + ["algorithm=fedfew", "rounds=5"]
-    _wait(deployment.deploy(tmp_path / "run", *overrides), 540, tmp_path)
+    _wait(deployment.deploy(tmp_path / "run", *overrides), 360, tmp_path)
     got = json.loads((tmp_path / "run" / "results.json").read_text())
     ref = _simulate(_config("fedfew", 5), tmp_path / "sim")
     assert_equal_runs(ref, tmp_path / "sim", got, tmp_path / "run")
@@ -256,7 +255,6 @@ def _wait_for(path: Path, text: str, timeout: float, proc: subprocess.Popen) -> 
         time.sleep(0.2)
 
 
-@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_killed_supernode_is_left_out_and_rejoins(tmp_path):

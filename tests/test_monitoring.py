@@ -120,7 +120,6 @@ def test_wandb_offline_logs_alpha_w_every_round(tmp_path):
         assert_png(run_dir / "plots" / f"{name}.png")
 
 
-@pytest.mark.heavy
 @pytest.mark.slow
 def test_two_processes_make_one_wandb_run_and_exit_promptly(tmp_path):
     run_dir = tmp_path / "run"

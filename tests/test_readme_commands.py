@@ -200,7 +200,6 @@ def run_cheap(commands: list[str], fill: dict[str, str], path: str) -> str | Non
     return None
 
 
-@pytest.mark.heavy
 @pytest.mark.slow
 def test_readme_commands_run(tmp_path, finished_run, fake_sbatch):
     """Every README command, cheaply, two at a time (each with one torch thread)."""

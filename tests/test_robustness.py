@@ -102,7 +102,6 @@ def metric_rows(run_dir: Path) -> list[dict]:
     return rows
 
 
-@pytest.mark.heavy
 @pytest.mark.slow
 def test_signal_checkpoint_and_resume_equal_uninterrupted_run(tmp_path):
     common = ["rounds=6", "local_epochs=15", "num_clients=10", "save_models=true", "logger=none", "eval_every=2",

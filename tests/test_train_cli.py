@@ -63,7 +63,6 @@ def test_embedded_default_learns_digits(tmp_path):
     assert printed.split(", ", 1)[1] == f"{s['models_served']}, ARI {s['assignment_ari']:.3f}"
 
 
-@pytest.mark.heavy
 @pytest.mark.slow
 def test_same_seed_same_results_different_seed_differs(tmp_path):
     def run(name, seed):

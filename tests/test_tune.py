@@ -534,7 +534,6 @@ runpy.run_module("fedfew.train", run_name="__main__", alter_sys=True)  # as pyth
 '''
 
 
-@pytest.mark.heavy
 @pytest.mark.slow
 def test_tuning_never_reads_the_test_labels(tmp_path):
     """A tune whose runs see shuffled test labels chooses exactly the same values (and scores)."""

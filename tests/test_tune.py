@@ -392,6 +392,23 @@ def test_a_trial_stopped_by_a_signal_stays_running_and_continues_on_the_next_inv
     assert len(trial_values(out, "fedavg")) == 2 + 1
 
 
+def test_a_tune_resumed_with_more_jobs_never_runs_the_same_values_twice(tmp_path, fake, monkeypatch):
+    """Interrupted at --jobs 1 and resumed at --jobs 2, the batch holds the repeat of the interrupted
+    trial beside a new one; the new one must not replay the repeat's draw (it did: the CIFAR-10 tune
+    of 2026-12-06 queued each method's first values twice)."""
+    command, log = fake
+    out = tmp_path / "out"
+    monkeypatch.setenv("FAKE_SIGNAL", "fedavg")
+    with pytest.raises(TuneError, match="interrupted"):
+        tune.main(argv(out, 2, "--seeds", "0", jobs=1), command=command)
+    monkeypatch.delenv("FAKE_SIGNAL")
+    assert tune.main(argv(out, 2, "--seeds", "0", jobs=2), command=command) == 0
+    lrs = [values["optim.lr"] for values, _ in trial_values(out)[:-1]]
+    assert len(lrs) == 2 and lrs[0] != lrs[1]
+    trial_runs = [line.split()[0] for line in log.read_text().splitlines() if "/trial" in line and "_lr1.5x" not in line]
+    assert len(trial_runs) == 3  # the interrupted run, its repeat (continued), the new trial: nothing else
+
+
 def test_a_refused_checkpoint_starts_the_trial_afresh(tmp_path, fake, monkeypatch):
     command, log = fake
     out = tmp_path / "out"

@@ -263,10 +263,15 @@ def _tune(plan: Plan, command: Sequence[str], echo: Callable[[str], None], slots
             break
         asked: list[tuple[Any, dict[str, Any]]] = []
         if batch > 0:
+            # Repeats of interrupted trials are asked first. Beside them (a tune resumed with more --jobs,
+            # or a batch cut short half-way), a new trial drawn from the seed of `done` alone would replay
+            # the repeats' own draws, i.e. run their values twice: the seed then names the repeats too.
+            repeats = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+            seed_of = (done,) if repeats == 0 or repeats >= batch else (done, "after repeats", repeats)
             with _SAMPLER_LOCK, warnings.catch_warnings():  # multivariate and constant_liar are experimental
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 study.sampler = optuna.samplers.TPESampler(
-                    seed=derive_seed(plan.sampler_seed, "tune", plan.dataset, plan.algorithm, done) % 2**32,
+                    seed=derive_seed(plan.sampler_seed, "tune", plan.dataset, plan.algorithm, *seed_of) % 2**32,
                     n_startup_trials=plan.startup, multivariate=True, constant_liar=batch > 1)
             for _ in range(batch):
                 trial = study.ask()

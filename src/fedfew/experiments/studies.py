@@ -263,9 +263,9 @@ def _tune(plan: Plan, command: Sequence[str], echo: Callable[[str], None], slots
             break
         asked: list[tuple[Any, dict[str, Any]]] = []
         if batch > 0:
-            # Repeats of interrupted trials are asked first. Beside them (a tune resumed with more --jobs,
-            # or a batch cut short half-way), a new trial drawn from the seed of `done` alone would replay
-            # the repeats' own draws, i.e. run their values twice: the seed then names the repeats too.
+            # Repeats of interrupted trials are asked first. Beside them (e.g. a tune resumed with more
+            # --jobs than it was interrupted with), a new trial drawn from the seed of `done` alone can
+            # replay a repeat's own draw, i.e. run its values twice: the seed then names the repeats too.
             repeats = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
             seed_of = (done,) if repeats == 0 or repeats >= batch else (done, "after repeats", repeats)
             with _SAMPLER_LOCK, warnings.catch_warnings():  # multivariate and constant_liar are experimental

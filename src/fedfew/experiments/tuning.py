@@ -48,9 +48,9 @@ the others go on, and the error is raised at the end.
 Every trial sequence is reproducible: the sampler of each batch of ``--jobs`` trials is seeded
 from ``--sampler-seed`` and the number of finished trials, so the same command (same
 ``--jobs``) chooses the same values, and a resumed tune (``--trials`` may grow) continues as the
-uninterrupted one would have. Where a batch holds repeats of interrupted trials beside new ones (a
-tune resumed with more ``--jobs``, or a batch cut short half-way), the new ones are drawn from a
-seed that also names the repeats, so no values run twice. The first ``--startup`` trials (default 4) are random, TPE models
+uninterrupted one would have. Where a batch holds repeats of interrupted trials beside new ones (e.g.
+a tune resumed with more ``--jobs``), the new ones are drawn from a seed that also names the
+repeats, so no values run twice. The first ``--startup`` trials (default 4) are random, TPE models
 the rest. Hydra's Optuna sweeper (hydra-optuna-sweeper) is not used: it pins optuna < 3.
 """
 from __future__ import annotations

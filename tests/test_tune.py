@@ -205,6 +205,7 @@ def test_study_is_reproducible_resumes_and_writes_a_preset(tmp_path, fake, monke
     command, log = fake
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert tune.main(argv(whole, 5), command=command) == 0
+    assert "total wall time of this invocation: " in (whole / "tune.md").read_text()   # it trained
     assert tune.main(argv(parts, 3), command=command) == 0
     first = log.read_text().splitlines()
     # sampled trials and the config defaults on seed 0, then the best confirmed on seed 1 and run at 1.5x its lr
@@ -250,6 +251,9 @@ def test_study_is_reproducible_resumes_and_writes_a_preset(tmp_path, fake, monke
     study = load(whole)  # tune.md still sums the trials of the earlier invocation that ran them
     summed = sum(t.user_attrs["wall_s"] for t in studies.completed(study)) + study.user_attrs["defaults"]["wall_s"]
     assert summed > 0 and f"summed over every invocation: {summed / 60:.1f} min (1 at a time)" in (whole / "tune.md").read_text()
+    # that last invocation trained nothing, and tune.md says so rather than "0.0 min"
+    assert "this invocation trained nothing" in (whole / "tune.md").read_text()
+    assert "total wall time of this invocation" not in (whole / "tune.md").read_text()
     # the same folder with other settings is refused, not mixed
     with pytest.raises(TuneError, match="other settings"):
         tune.main(argv(whole, 5, "--val-fraction", "0.3"), command=command)

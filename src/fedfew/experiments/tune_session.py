@@ -12,11 +12,23 @@ from fedfew.config import presets
 from fedfew.config.presets import describe_setup, setup_changing
 from fedfew.core.io import atomic_write_text
 from fedfew.core.run_folders import portable_command, python_command
-from fedfew.experiments.launch import exclusive
+from fedfew.experiments.launch import exclusive, launched
 from fedfew.experiments.preset_files import _write_preset, tuning_seconds
 from fedfew.experiments.studies import Slots, open_study, tune_algorithm
 from fedfew.experiments.tune_errors import TrialInterrupted, TuneError
 from fedfew.experiments.tuning import TRAIN_COMMAND, _echo, plans, setup_presets_dir
+
+
+def _invocation_wall(runs_started: int, seconds: float) -> str:
+    """The tune.md line on this invocation: its wall time, or that it trained nothing (every
+    trial had finished before: it only wrote the presets, so its "0.0 min" would read oddly).
+
+    >>> _invocation_wall(0, 2.0), _invocation_wall(3, 90.0)
+    ('this invocation trained nothing (every trial had finished; it wrote the presets)', 'total wall time of this invocation: 1.5 min')
+    """
+    if runs_started == 0:
+        return "this invocation trained nothing (every trial had finished; it wrote the presets)"
+    return f"total wall time of this invocation: {seconds / 60:.1f} min"
 
 
 def tune_all(args, argv: Sequence[str], command: Sequence[str] = TRAIN_COMMAND,
@@ -42,7 +54,7 @@ def tune_all(args, argv: Sequence[str], command: Sequence[str] = TRAIN_COMMAND,
     with exclusive(out, "make tune"):  # one tool at a time writes into out
         for plan in all_plans:  # a folder holding another tune is refused before anything runs
             open_study(plan)
-        start = time.perf_counter()
+        start, launched_before = time.perf_counter(), launched()
         lines, errors, interrupted = [], [], []
         trials_wall = 0.0  # every invocation's trials: a re-run that only rewrites presets keeps the figure
         for plan in all_plans:
@@ -82,7 +94,7 @@ def tune_all(args, argv: Sequence[str], command: Sequence[str] = TRAIN_COMMAND,
                      f"sampled trials | at {args.stability:g}x its lr | trials' wall time, summed (min) | "
                      "at a range edge (the range may bind) |",
                      "|---|---|---|---|---|---|---|---|---|",
-                     *lines, "", f"total wall time of this invocation: {(time.perf_counter() - start) / 60:.1f} min; "
+                     *lines, "", f"{_invocation_wall(launched() - launched_before, time.perf_counter() - start)}; "
                      f"the trials' wall time summed over every invocation: {trials_wall / 60:.1f} min "
                      f"({args.jobs} at a time)"]
             if errors or interrupted:

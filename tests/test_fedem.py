@@ -16,6 +16,7 @@ from fedfew.algorithms import ALGORITHMS
 from fedfew.algorithms.fedem import Mixture, responsibilities
 from fedfew.config.rules import validate_config
 from fedfew.core.seeding import derive_seed
+from fedfew.simulator.evaluation import finetune_copy
 
 from conftest import CONF_DIR, compose_config
 from test_baselines import BATCH, LR, client_xy, close, flat, small_sim, weighted_mean
@@ -158,6 +159,14 @@ def test_mixture_prediction_is_the_pi_weighted_sum_of_softmaxes():
     # one component: exactly its log_softmax
     with torch.no_grad():
         assert torch.equal(Mixture(models[:1], torch.tensor([1.0]))(x), F.log_softmax(models[0](x), dim=1))
+    # a diverged component (NaN weights) with pi_k = 0 takes no part: the others' mixture, no NaN
+    broken = copy.deepcopy(models[2])
+    with torch.no_grad():
+        broken.weight.fill_(float("nan"))
+        out = Mixture([models[0], models[1], broken], torch.tensor([0.4, 0.6, 0.0], dtype=torch.float64))(x)
+        by_hand = 0.4 * F.softmax(models[0](x), dim=1) + 0.6 * F.softmax(models[1](x), dim=1)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.exp(), by_hand, rtol=1e-5, atol=1e-7)
 
 
 def test_clients_are_scored_with_their_mixture_and_finetune_tunes_all_components(tmp_path, cpu_fabric):
@@ -175,3 +184,24 @@ def test_clients_are_scored_with_their_mixture_and_finetune_tunes_all_components
     assert 0.0 <= result["also"]["finetune"]["summary"]["acc_mean"] <= 1.0
     for k, m in enumerate(sim.module.models):  # fine-tuning works on a copy of the mixture
         assert torch.equal(flat(m), before[k])
+    # as the evaluation does it: the mixture copied whole, then fine-tuned; every component moves, pi stays
+    tuned = finetune_copy(scored, copy.deepcopy(scored), sim.ctx, client, 1, 1)
+    for k, component in enumerate(tuned.components):
+        assert not torch.equal(flat(component), before[k]), f"component {k} was not fine-tuned"
+    assert torch.equal(tuned.log_pi, scored.log_pi)
+
+
+def test_a_client_that_never_took_part_is_scored_with_uniform_pi_and_assigned_component_0(tmp_path, cpu_fabric):
+    """participation 0.5 of 4 clients: after round 1, the two absent clients have no pi of their own;
+    their mixture weighs the K components equally and their model assignment is component 0."""
+    sim = small_sim(tmp_path, cpu_fabric, "fedem", "algorithm.K=2", "participation=0.5")
+    logs = sim.run_round(1)
+    absent = sorted(set(range(4)) - set(logs["participants"]))
+    assert len(absent) == 2 and all("pi" not in sim.ctx.host_state.get(i, {}) for i in absent)
+    for i in absent:
+        client = sim.host_data.clients[i]
+        (mixture,) = sim.algorithm.candidates(client)
+        torch.testing.assert_close(mixture.log_pi.exp(), torch.full((2,), 0.5))
+        assert sim.algorithm.model_assignment(client, 0) == 0
+    for i in logs["participants"]:  # the participants keep their own pi, summing to 1
+        assert float(sim.ctx.host_state[i]["pi"].sum()) == pytest.approx(1.0, abs=1e-12)

@@ -136,7 +136,11 @@ class Mixture(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         log_probs = torch.stack([F.log_softmax(m(x).float(), dim=-1) for m in self.components])  # (K, B, C)
-        return torch.logsumexp(log_probs + self.log_pi[:, None, None], dim=0)
+        weighted = log_probs + self.log_pi[:, None, None]
+        # a component with pi_k = 0 takes no part, even one whose outputs are NaN (a diverged
+        # component the E-step gave no responsibility): NaN + -inf would make every class NaN
+        absent = torch.isneginf(self.log_pi)[:, None, None]
+        return torch.logsumexp(torch.where(absent, float("-inf"), weighted), dim=0)
 
 
 @ALGORITHMS.register("fedem")

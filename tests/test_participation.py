@@ -51,9 +51,33 @@ def test_methods_without_alpha_and_unfinished_runs(tmp_path, capsys):
         del r["alpha"]
     (run / "history.json").write_text(json.dumps(history))
     assert participation.report(run)["alpha"] is None
+    other = write_run(tmp_path / "other")
     (run / "results.json").unlink()
-    assert participation.main([str(run)]) == 2
-    assert "results.json is missing: give the folder of a finished run" in capsys.readouterr().err
+    # a folder that is not a finished run is named, the others are still reported, the exit code says it
+    assert participation.main([str(run), str(other)]) == 2
+    out, err = capsys.readouterr()
+    assert "results.json is missing: give the folder of a finished run" in err and str(other) in out
+
+
+def test_alpha_spread_leaves_out_excluded_clients_and_empty_rounds():
+    rounds = [{"participants": [0, 1, 2], "alpha": [0.5, 0.5, 0.0], "excluded": [2]},   # uniform over the 2 finite
+              {"participants": [0, 1, 2], "alpha": [0.0, 0.0, 0.0], "excluded": [0, 1, 2]},  # nothing finite: skipped
+              {"participants": [3, 4], "alpha": [0.75, 0.25], "excluded": []}]
+    a = participation.alpha_spread(rounds)
+    assert a["rounds"] == 2 and a["participants_mean"] == 2.0
+    # round 1: P = 2, max 0.5 -> 1, share 1; round 3: 2 * 0.75 = 1.5, 1 / (2 * 0.625) = 0.8
+    assert a["max_times_p_mean"] == pytest.approx((1 + 1.5) / 2) and a["effective_share_last"] == pytest.approx(0.8)
+    assert participation.alpha_spread(rounds[1:2]) is None
+
+
+def test_never_sampled_clients_are_a_bin_of_their_own():
+    # 30 never sampled, 30 once, 30 twice, one each 5..9 times: 7 distinct counts among the sampled ones, so
+    # quartile bins over the 65 sampled (edges 1, 2, 9: {1, 2} and {5..9}); the never sampled stay apart
+    counts = np.array([0] * 30 + [1] * 30 + [2] * 30 + [5, 6, 7, 8, 9])
+    bins = participation.sampling_bins(counts)
+    assert [sorted(set(counts[b].tolist())) for b in bins] == [[0], [1, 2], [5, 6, 7, 8, 9]]
+    assert [len(b) for b in bins] == [30, 60, 5]
+    assert [counts[b].tolist() for b in participation.sampling_bins(np.array([0, 0]))] == [[0, 0]]
 
 
 @settings(max_examples=60, deadline=None)
@@ -61,7 +85,9 @@ def test_methods_without_alpha_and_unfinished_runs(tmp_path, capsys):
 def test_bins_partition_the_clients_in_order_without_splitting_a_count(values):
     counts = np.asarray(values)
     bins = participation.sampling_bins(counts)
-    assert 1 <= len(bins) <= 4
+    assert 1 <= len(bins) <= 4 + bool((counts == 0).any())
     assert sorted(np.concatenate(bins).tolist()) == list(range(len(counts)))
+    if (counts == 0).any():  # the never sampled clients, and only they, first
+        assert counts[bins[0]].max() == 0
     for lower, upper in zip(bins, bins[1:]):
         assert counts[lower].max() < counts[upper].min()

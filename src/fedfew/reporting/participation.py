@@ -21,10 +21,20 @@ def alpha_spread(rounds: Sequence[dict[str, Any]]) -> dict[str, float] | None:
 
     Per round: ``max_times_p`` = P * max_i alpha_i (1 when uniform; P when one client holds all)
     and ``effective_share`` = 1 / (P * sum_i alpha_i^2) (the effective number of clients as a share
-    of P: 1 when uniform, 1/P for one client). Returns their means over the rounds and the last
-    round's values, or None when no round logs alpha (methods other than FedFew).
+    of P: 1 when uniform, 1/P for one client). P counts the participants that alpha was computed
+    over: a client the round ``excluded`` for non-finite results (alpha 0 by construction) is left
+    out, and a round in which nothing finite arrived (every alpha 0) is skipped. Returns their means
+    over the rounds and the last round's values, or None when no round logs alpha (methods other
+    than FedFew) or none has a finite participant.
     """
-    rows = [np.asarray(r["alpha"], dtype=float) for r in rounds if r.get("alpha")]
+    rows = []
+    for r in rounds:
+        if not r.get("alpha"):
+            continue
+        excluded = set(r.get("excluded") or ())
+        a = np.asarray([v for c, v in zip(r["participants"], r["alpha"]) if c not in excluded], dtype=float)
+        if a.size and a.sum() > 0:
+            rows.append(a)
     if not rows:
         return None
     top = np.array([len(a) * a.max() for a in rows])
@@ -43,15 +53,20 @@ def times_sampled(rounds: Sequence[dict[str, Any]], num_clients: int) -> np.ndar
 
 
 def sampling_bins(counts: np.ndarray, bins: int = 4) -> list[np.ndarray]:
-    """Client ids binned by times sampled, fewest first: one bin per distinct count when there
-    are at most ``bins`` of them, else up to ``bins`` bins between the count quartiles (for
+    """Client ids binned by times sampled, fewest first. The clients never sampled are a bin of
+    their own (the group the report is for); the others get one bin per distinct count when there
+    are at most ``bins`` of them, else up to ``bins`` bins between their count quartiles (for
     ``bins=4``); a count never straddles two bins."""
-    values = np.unique(counts)
+    out = [np.flatnonzero(counts == 0)] if (counts == 0).any() else []
+    sampled = np.flatnonzero(counts > 0)
+    if sampled.size == 0:
+        return out
+    values = np.unique(counts[sampled])
     if len(values) <= bins:
-        return [np.flatnonzero(counts == v) for v in values]
-    edges = np.unique(np.quantile(counts, np.linspace(0, 1, bins + 1)))
-    which = np.searchsorted(edges[1:-1], counts, side="left")   # bin j holds (edge j, edge j+1], bin 0 from edge 0
-    return [np.flatnonzero(which == j) for j in range(len(edges) - 1) if (which == j).any()]
+        return out + [np.flatnonzero(counts == v) for v in values]
+    edges = np.unique(np.quantile(counts[sampled], np.linspace(0, 1, bins + 1)))
+    which = np.searchsorted(edges[1:-1], counts[sampled], side="left")   # bin j holds (edge j, edge j+1], bin 0 from edge 0
+    return out + [sampled[which == j] for j in range(len(edges) - 1) if (which == j).any()]
 
 
 def by_times_sampled(clients: Sequence[dict[str, Any]], counts: np.ndarray, bins: int = 4) -> list[dict[str, Any]]:
@@ -79,7 +94,7 @@ def by_times_sampled(clients: Sequence[dict[str, Any]], counts: np.ndarray, bins
         members = [clients[position[int(i)]] for i in part]
         seen = [int(counts[c["id"]]) for c in members]
         row: dict[str, Any] = {"clients": len(members), "sampled_min": min(seen), "sampled_max": max(seen),
-                               "sampled_mean": float(np.mean(seen)), "acc_mean": float(np.mean([c["acc"] for c in members]))}
+                               "sampled_mean": float(np.mean(seen)), "acc_mean": float(np.nanmean([c["acc"] for c in members]))}
         if known:
             row["with_group_model"] = float(np.mean([c["model"] == group_model[c["group"]] for c in members]))
             if len({c["group"] for c in members}) > 1:
@@ -130,13 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: python -m fedfew.reporting.participation RUN_DIR [RUN_DIR ...]")
         return 0 if argv else 2
-    for run in argv:
+    code = 0
+    for run in argv:  # every run is reported; a folder that is not a finished run is named and the exit code is 2
         try:
             print("\n".join(lines(report(run))) + "\n")
         except FileNotFoundError as err:
             print(f"error: {err}", file=sys.stderr)
-            return 2
-    return 0
+            code = 2
+    return code
 
 
 if __name__ == "__main__":

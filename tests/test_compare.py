@@ -395,6 +395,10 @@ def test_small_comparison_writes_the_table_and_resumes(tmp_path, capsys):
         assert res["config"]["rounds"] == 2 and res["config"]["num_clients"] == 4
         assert 100 < res["peak_host_memory_mib"] < 24 * 1024 and res["peak_device_memory_mib"] is None  # torch alone > 100 MiB
         assert float(rows[alg]["peak_host_memory_mib"]) == pytest.approx(res["peak_host_memory_mib"])  # one seed: its own
+        # resident memory before round 1 and after the rounds: positive, not above the process's peak (the
+        # kernel updates its high-water mark lazily: within 1%)
+        before, after = res["host_memory_before_rounds_mib"], res["host_memory_max_after_round_mib"]
+        assert 100 < before <= 1.01 * res["peak_host_memory_mib"] and 100 < after <= 1.01 * res["peak_host_memory_mib"]
     assert results["fedavg"]["partition_hash"] == results["local"]["partition_hash"]  # the same partition
     majority = [c["majority_acc"] for c in results["local"]["clients"]]
     assert float(rows[MAJORITY]["acc_mean"]) == pytest.approx(sum(majority) / len(majority), abs=1e-6)

@@ -543,7 +543,10 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
     lines.append(speed)
     if results.get("peak_host_memory_mib") is not None:
         device = results.get("peak_device_memory_mib")
+        before, rounds = results.get("host_memory_before_rounds_mib"), results.get("host_memory_max_after_round_mib")
         lines.append(f"peak memory: host {results['peak_host_memory_mib'] / 1024:.2f} GiB"
+                     + ("" if before is None or rounds is None else
+                        f" (resident before round 1 {before / 1024:.2f} GiB, largest after a round {rounds / 1024:.2f} GiB)")
                      + ("" if device is None else f", GPU {device / 1024:.2f} GiB (torch's allocator)"))
     return lines
 

@@ -39,7 +39,7 @@ from fedfew.core.io import atomic_torch_save
 from fedfew.models import MODELS, DataInfo
 from fedfew.core.model_set import KModelSet, round_lr
 from fedfew.core.nonfinite import NonFiniteLog
-from fedfew.core.resources import peak_device_mib, peak_host_mib
+from fedfew.core.resources import current_host_mib, peak_device_mib, peak_host_mib
 from fedfew.core.seeding import derive_seed
 
 if TYPE_CHECKING:  # Lightning's import takes ~3 s (torchmetrics, transformers): a Flower client never needs it
@@ -357,6 +357,10 @@ class Simulation:
         self.stop_signal.install()
         evaluation: dict[str, Any] | None = None
         logs: dict[str, Any] = self.history[-1] if self.history else {}
+        # resident memory before the first round (data, models, state loaded) and its largest value at
+        # a round's end (after its evaluation): what the rounds add, which the process peak may hide
+        memory_before = current_host_mib()
+        memory_rounds: float | None = None
         try:
             for rnd in range(self.start_round, int(cfg.rounds) + 1):
                 start = time.perf_counter()
@@ -367,6 +371,9 @@ class Simulation:
                     evaluation = self.evaluate(rnd)
                     self.evaluations.append(self._evaluation_entry(rnd, evaluation))
                 self.wall_time_s += time.perf_counter() - start
+                now = current_host_mib()
+                if now is not None:
+                    memory_rounds = now if memory_rounds is None else max(memory_rounds, now)
                 fabric.call("on_round_end", sim=view, round=rnd, logs=logs, evaluation=evaluation)
                 stop = self._stop_requested()
                 if (every and rnd % every == 0) or stop:
@@ -410,6 +417,10 @@ class Simulation:
             "train_seconds_per_round": sum(float(h["round_time_s"]) for h in self.history) / max(1, len(self.history)),
             # this process's peaks (rank 0's under Fabric), data loading included; after a resume, since the resume
             "peak_host_memory_mib": peak_host_mib(),
+            # resident memory before round 1 and the largest at a round's end (None off Linux): their
+            # difference is what training and evaluation add on top of the loaded data
+            "host_memory_before_rounds_mib": memory_before,
+            "host_memory_max_after_round_mib": memory_rounds,
             "peak_device_memory_mib": peak_device_mib(fabric.device),
             "world_size": fabric.world_size,
             "budget": self.budget(),

@@ -99,3 +99,12 @@ def test_client_accuracy_legend_lists_chosen_models_only(models, expected):
     h = history([], [{"round": 5, "summary": SUMMARY, "acc": [0.9, 0.5, 0.7, 0.6], "model": models}])
     fig = plots.client_accuracy_figure(h)
     assert legend_labels(fig.axes[1]) == expected
+
+
+def test_alpha_plot_draws_uniform_at_one_over_the_round_participants():
+    """alpha sums to 1 over a round's participants: with 2 of 6 clients, then 3, uniform is 1/2, then 1/3."""
+    rounds = [{"round": 1, "participants": [0, 4], "alpha": [0.5, 0.5]},
+              {"round": 2, "participants": [1, 2, 5], "alpha": [0.2, 0.3, 0.5]}]
+    fig = plots.alpha_figure(history(rounds, [], M=6))
+    (uniform,) = [line for line in fig.axes[0].get_lines() if line.get_label().startswith("uniform")]
+    assert uniform.get_ydata().tolist() == pytest.approx([1 / 2, 1 / 3])

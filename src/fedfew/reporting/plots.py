@@ -184,7 +184,9 @@ def alpha_figure(history: dict[str, Any]) -> Figure | None:
     shown = range(M) if M <= MAX_LINES else np.argsort(-np.nanmean(alpha, axis=0))[:10]
     for i in shown:
         ax_lines.plot(rounds, alpha[:, i], marker="o" if len(rounds) <= 20 else None, markersize=3, label=f"client {i}")
-    ax_lines.axhline(1 / M, color="grey", linestyle="--", linewidth=1, label="uniform 1/M")
+    # alpha sums to 1 over a round's P participants (the rest are NaN here): uniform is 1/P, not 1/M
+    participants = np.maximum(np.isfinite(alpha).sum(axis=1), 1)
+    ax_lines.plot(rounds, 1 / participants, color="grey", linestyle="--", linewidth=1, label="uniform 1/P (P: participants)")
     title = "alpha_i per client" if M <= MAX_LINES else "alpha_i of the 10 clients with the largest mean"
     ax_lines.set(xlabel="round", ylabel="alpha_i", title=title)
     if M <= 12 or M > MAX_LINES:

@@ -40,12 +40,20 @@ def _config(algorithm: str, rounds: int, *extra: str):
 
 
 def _simulate(cfg, run_dir: Path) -> dict:
+    """The simulator's run with the config's torch thread count (trainer.threads), as make train and
+    the Flower client set it: a matmul may round differently on 1 and 2 threads on some CPUs
+    (measured on an AMD EPYC, 2026-12-07), so the comparison must hold the thread count equal."""
     from lightning.fabric import Fabric
 
     from fedfew.simulator.simulation import Simulation
 
-    with contextlib.redirect_stdout(io.StringIO()):
-        return Simulation(cfg, Fabric(accelerator="cpu", devices=1), run_dir).fit()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(cfg.trainer.threads))
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return Simulation(cfg, Fabric(accelerator="cpu", devices=1), run_dir).fit()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _local(cfg, run_dir: Path) -> dict:
@@ -75,16 +83,11 @@ def assert_equal_runs(ref: dict, ref_dir: Path, got: dict, got_dir: Path, tol: f
 
 @pytest.mark.parametrize("algorithm", ["fedfew", "fedavg"])
 def test_messages_equal_simulator(algorithm, tmp_path):
-    """M = 8, K = 4 (the clustered split's groups), 5 rounds: the simulator's run, bitwise for fedavg.
-
-    fedfew within 1e-5: on an AMD EPYC machine (2026-12-07) its running losses differ from the
-    simulator's by float32 rounding (3.6e-7 in the loss matrix, 9.4e-7 in w, 6e-8 in the models
-    after 5 rounds), though they were bitwise equal on the machines before; the cause is not found
-    yet (docs/flower.md). fedavg and the 2-round runs below stay bitwise there."""
+    """M = 8, K = 4 (the clustered split's groups), 5 rounds: bitwise the simulator's run."""
     cfg = _config(algorithm, 5)
     ref = _simulate(cfg, tmp_path / "sim")
     got = _local(cfg, tmp_path / "flower")
-    assert_equal_runs(ref, tmp_path / "sim", got, tmp_path / "flower", tol=1e-5 if algorithm == "fedfew" else 0.0)
+    assert_equal_runs(ref, tmp_path / "sim", got, tmp_path / "flower", tol=0.0)
     if algorithm == "fedfew":
         assert got["summary"]["assignment_ari"] == 1.0 and len(got["w"][0]) == 4
     for name in ("results.json", "metrics.csv", "history.json", "partition.json", "flower.json"):

@@ -40,20 +40,14 @@ def _config(algorithm: str, rounds: int, *extra: str):
 
 
 def _simulate(cfg, run_dir: Path) -> dict:
-    """The simulator's run with the config's torch thread count (trainer.threads), as make train and
-    the Flower client set it: a matmul may round differently on 1 and 2 threads on some CPUs
-    (measured on an AMD EPYC, 2026-12-07), so the comparison must hold the thread count equal."""
+    """The simulator's run of ``cfg``: its fit runs at the config's trainer.threads, as the Flower
+    client does (fedfew.core.threads; a matmul may round differently on 1 and 2 threads on some CPUs)."""
     from lightning.fabric import Fabric
 
     from fedfew.simulator.simulation import Simulation
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(int(cfg.trainer.threads))
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            return Simulation(cfg, Fabric(accelerator="cpu", devices=1), run_dir).fit()
-    finally:
-        torch.set_num_threads(threads)
+    with contextlib.redirect_stdout(io.StringIO()):
+        return Simulation(cfg, Fabric(accelerator="cpu", devices=1), run_dir).fit()
 
 
 def _local(cfg, run_dir: Path) -> dict:
@@ -212,10 +206,26 @@ class Deployment:
         return self._start("deploy", argv)
 
     def close(self) -> None:
+        # the SuperLink starts each run's flwr-serverapp in a session of its own: without this, a
+        # test that fails mid-run leaves that process behind, taking CPU from the tests after it
+        orphans = _descendants(self.superlink.pid)
         for proc in [*self.nodes.values(), self.superlink]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+        for pid in orphans:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux: /proc/<pid>/task/<tid>/children), children first."""
+    found: list[int] = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            for child in map(int, children.read_text().split()):
+                found += [child, *_descendants(child)]
+    return found
 
 
 @pytest.fixture

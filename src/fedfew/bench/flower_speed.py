@@ -50,7 +50,6 @@ def case_federation(spec: dict) -> dict:
     """One run of the job ``spec["overrides"]`` by ``spec["engine"]`` (simulator | flower) in this
     process; ``spec["launched"]``: the parent's ``time.time()`` just before it started this
     interpreter. Returns the figures of the module docstring (seconds) and the job's config hash."""
-    import torch
     from omegaconf import OmegaConf
 
     from fedfew.simulator.simulation import Simulation
@@ -72,12 +71,13 @@ def case_federation(spec: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         if spec["engine"] == "flower":
+            from fedfew.core.threads import apply_threads
             from fedfew.experiments.training import preflight, quiet_console
             from fedfew.flower.__main__ import simulate
 
             preflight(cfg, run_dir)
             quiet_console()
-            torch.set_num_threads(int(cfg.trainer.threads))
+            apply_threads(cfg)
             results = simulate(cfg, run_dir)
         else:
             from fedfew.experiments.training import run

@@ -148,6 +148,8 @@ RULES: list[Rule] = [
          lambda v: isinstance(v, bool) or (isinstance(v, str) and v != "")),
     Rule("trainer.devices", "integer >= 1 or 'auto'", lambda v: v == "auto" or (_is_int(v) and v >= 1)),
     Rule("trainer.num_nodes", "integer >= 1", lambda v: _is_int(v) and v >= 1),
+    Rule("trainer.threads", "null (torch's default) or integer >= 1 (torch threads per process)",
+         lambda v: v is None or (_is_int(v) and v >= 1)),
 ]
 
 

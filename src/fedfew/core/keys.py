@@ -33,7 +33,7 @@ KEYS: tuple[KeyRole, ...] = (
     KeyRole("save_models", False, False, True, "whether models.pt is written"),
     KeyRole("data_dir", False, False, True, "where the data lies; what it holds is compared by content"),
     KeyRole("logger", False, False, True, "where metrics go"),
-    KeyRole("trainer.threads", False, False, True, "CPU threads"),
+    KeyRole("trainer.threads", False, False, True, "CPU threads: the same figures up to float rounding (fedfew.core.threads)"),
     KeyRole("trainer.devices", True, False, True, "processes: results equal to one process up to float rounding"),
     KeyRole("trainer.num_nodes", True, False, True, "nodes"),
     KeyRole("trainer.strategy", True, False, True, "how processes talk"),

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from fedfew.config.rules import validate_config
 from fedfew.core.checkpoint import check_resume_config, load_checkpoint, resolve_resume
+from fedfew.core.threads import apply_threads
 
 
 class SetupError(Exception):
@@ -107,13 +108,11 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     try:
         checked = preflight(cfg, run_dir)  # before any data is loaded, and before torch is imported (< 2 s)
         quiet_console()  # imports Lightning (and torch): seconds
-        import torch
 
         from fedfew.data.federated import build_federated_data
         from fedfew.simulator.simulation import Simulation
 
-        if cfg.trainer.get("threads"):
-            torch.set_num_threads(int(cfg.trainer.threads))
+        apply_threads(cfg)  # this process is the run's: data loading too (fit holds it as well)
         data = build_federated_data(cfg)  # fails fast on missing files / impossible partitions
         fabric = make_fabric(cfg, run_dir)
         fabric.launch()

@@ -72,16 +72,14 @@ def simulate(cfg: DictConfig, run_dir: Path, *, workers: int = 0, round_timeout:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from fedfew.core.threads import apply_threads
     from fedfew.experiments.training import SetupError, preflight, preset_record, quiet_console
 
     quiet_console()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         preflight(cfg, run_dir)
-        if cfg.trainer.get("threads"):
-            import torch
-
-            torch.set_num_threads(int(cfg.trainer.threads))
+        apply_threads(cfg)  # the server process's own work; each client runs under run_threads too
         simulate(cfg, run_dir, workers=int(_OPTIONS["workers"]), round_timeout=float(_OPTIONS["round_timeout"]),
                  preset=preset_record(cfg))
     except (ValueError, FileNotFoundError, SetupError) as err:

@@ -43,6 +43,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from omegaconf import DictConfig, OmegaConf
 
+from fedfew.core.threads import run_threads
 from fedfew.flower.partitions import Partition, PartitionError, cut, load
 from fedfew.flower.records import from_record, to_record, unpack
 
@@ -167,11 +168,9 @@ class ClientRuntime:
     def __init__(self, cfg: DictConfig, partition: Partition) -> None:
         from fedfew.simulator.simulation import Simulation
 
-        if cfg.trainer.get("threads"):
-            torch.set_num_threads(int(cfg.trainer.threads))
         self.cfg, self.partition = cfg, partition
-        fabric = client_fabric(cfg)
-        self.sim = Simulation(cfg, fabric, Path("."), data=partition.data())
+        with run_threads(cfg):  # as every call below: the simulator's thread count (fedfew.core.threads)
+            self.sim = Simulation(cfg, client_fabric(cfg), Path("."), data=partition.data())
         self.client = self.sim.host_data.clients[partition.client_id]
 
     @property
@@ -208,6 +207,10 @@ class ClientRuntime:
 
     def train(self, content: RecordDict, state: RecordDict) -> RecordDict:
         """One round of local work (see the module docstring); returns the reply's records."""
+        with run_threads(self.cfg):
+            return self._train(content, state)
+
+    def _train(self, content: RecordDict, state: RecordDict) -> RecordDict:
         from fedfew.core.budget import StepCounter
 
         start = time.perf_counter()
@@ -237,6 +240,10 @@ class ClientRuntime:
     def evaluate(self, content: RecordDict, state: RecordDict) -> RecordDict:
         """Selection and scores of this client under every protocol of the run (its row of
         :func:`fedfew.simulator.evaluation.evaluate_clients`' table, as that function's per-client dict)."""
+        with run_threads(self.cfg):
+            return self._evaluate(content, state)
+
+    def _evaluate(self, content: RecordDict, state: RecordDict) -> RecordDict:
         from fedfew.simulator.evaluation import EvalSettings, evaluate_clients
 
         rnd = self.receive(content, state)

@@ -41,6 +41,7 @@ from fedfew.core.model_set import KModelSet, round_lr
 from fedfew.core.nonfinite import NonFiniteLog
 from fedfew.core.resources import current_host_mib, peak_device_mib, peak_host_mib
 from fedfew.core.seeding import derive_seed
+from fedfew.core.threads import run_threads
 
 if TYPE_CHECKING:  # Lightning's import takes ~3 s (torchmetrics, transformers): a Flower client never needs it
     from lightning.fabric import Fabric
@@ -345,11 +346,16 @@ class Simulation:
         """Run every round, evaluating every ``eval_every`` rounds and after the last one;
         checkpoint every ``checkpoint_every`` rounds and when SIGTERM/SIGUSR1/SIGINT arrives (then
         stop after the current round, returning ``{"interrupted": True, ...}``; a second SIGINT
-        raises KeyboardInterrupt at once).
+        raises KeyboardInterrupt at once). Runs at ``trainer.threads`` torch threads and gives the
+        caller's count back after (:func:`fedfew.core.threads.run_threads`).
 
         Returns:
             the final evaluation (``clients``, ``summary``), last logs and timings.
         """
+        with run_threads(self.cfg):
+            return self._fit()
+
+    def _fit(self) -> dict[str, Any]:
         cfg, fabric = self.cfg, self.fabric
         view = self.view()  # what the callbacks see (fedfew.simulator.run_view)
         fabric.call("on_fit_start", sim=view)

@@ -198,6 +198,7 @@ def launch(overrides: Sequence[str], run_dir: Path, log_path: Path,
     Raises:
         Busy: a live process already trains ``run_dir`` (:func:`check_not_training`).
     """
+    global _launched
     run_dir = Path(run_dir)
     # One check of the stop flag, under the lock that the signal handler takes: a stop that came
     # first starts nothing and leaves a queued run's folder and log as they were; a stop that comes
@@ -219,7 +220,7 @@ def launch(overrides: Sequence[str], run_dir: Path, log_path: Path,
             # the child gets its own copy of the log's descriptor, so closing ours here is fine
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         _RUNNING.add(proc)
-        _LAUNCHED[0] += 1
+        _launched += 1
     try:
         _, status, usage = os.wait4(proc.pid, 0)
     except BaseException:
@@ -261,14 +262,14 @@ def tidy(run_dir: Path, overrides: Sequence[str], log_path: Path | None = None) 
 _LOCK = threading.Lock()
 _RUNNING: set[subprocess.Popen] = set()
 _STOPPING = threading.Event()
-_LAUNCHED = [0]  # runs started by launch() in this process, counted under _LOCK
+_launched = 0  # runs started by launch() in this process, counted under _LOCK
 
 
 def launched() -> int:
     """How many training runs :func:`launch` has started in this process (a tool compares it
     before and after to tell whether an invocation trained anything, or only reused finished runs)."""
     with _LOCK:
-        return _LAUNCHED[0]
+        return _launched
 
 
 class Stopped(KeyboardInterrupt):

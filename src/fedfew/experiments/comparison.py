@@ -319,7 +319,7 @@ def compare(args, argv: Sequence[str]) -> int:
     from fedfew.algorithms import ALGORITHMS
     from fedfew.core.run_folders import older_setup_note
     from fedfew.experiments.tune_errors import TuneError
-    from fedfew.experiments.tuning import LEFT_OUT, RUN_KEYS, check_extra_keys, runnable_algorithms
+    from fedfew.experiments.tuning import LEFT_OUT, RUN_KEYS, check_extra_keys, runnable_algorithms, warn_slow_precision
 
     for alg in algorithms:
         ALGORITHMS.get(alg)  # unknown names fail here, with the list of known ones
@@ -358,6 +358,7 @@ def compare(args, argv: Sequence[str]) -> int:
         raise CompareError(str(err)) from err
     if left_out:
         _echo(LEFT_OUT + "; ".join(left_out))
+    warn_slow_precision(configs.values())
     algorithms = list(configs)
     reference = args.reference if args.reference in algorithms else algorithms[0]
     runs = [Run(alg, seed, out, tuple(args.extra), args.dataset, *presets[alg], str(configs[alg].data_dir))

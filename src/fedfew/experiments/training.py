@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from fedfew.config.rules import validate_config
 from fedfew.core.checkpoint import check_resume_config, load_checkpoint, resolve_resume
+from fedfew.core.precision import slow_precision_note
 from fedfew.core.threads import apply_threads
 
 
@@ -113,6 +114,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         from fedfew.simulator.simulation import Simulation
 
         apply_threads(cfg)  # this process is the run's: data loading too (fit holds it as well)
+        slow = slow_precision_note(cfg)
+        if slow:
+            logging.getLogger(__name__).warning(slow)  # before any data is read (each process of the run says it)
         data = build_federated_data(cfg)  # fails fast on missing files / impossible partitions
         fabric = make_fabric(cfg, run_dir)
         fabric.launch()

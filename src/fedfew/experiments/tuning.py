@@ -63,7 +63,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from fedfew.config import presets
 from fedfew.config.compose import ComposeError
@@ -163,6 +163,18 @@ def runnable_algorithms(algorithms: Sequence[str], named: bool,
     if not kept:
         raise TuneError("no algorithm can run on this setup: " + "; ".join(skipped))
     return kept, skipped
+
+
+def warn_slow_precision(configs: Iterable[Any]) -> None:
+    """Say once, before any run, that the runs' precision is slow on this machine
+    (:func:`fedfew.core.precision.slow_precision_note`), for the first config that is."""
+    from fedfew.core.precision import slow_precision_note
+
+    for cfg in configs:
+        note = slow_precision_note(cfg)
+        if note:
+            _echo(f"warning: {note}")
+            return
 
 
 def setup_presets_dir(dataset: str, extra: Sequence[str]) -> Path:
@@ -369,6 +381,7 @@ def plans(args: argparse.Namespace) -> list[Plan]:
         overrides_of=lambda alg: made[alg].trial_overrides({}, args.seeds[0], out / "probe")[:-1])
     if left_out:
         _echo(LEFT_OUT + "; ".join(left_out))
+    warn_slow_precision(configs.values())
     result: list[Plan] = []
     for alg, cfg in configs.items():
         plan = made[alg]

@@ -1,6 +1,6 @@
 """Whether a run's ``trainer.precision`` suits the machine it runs on.
 
-bf16-mixed on a CPU without native bf16 (no AVX512-BF16 / AMX; oneDNN emulates it) is not an
+bf16-mixed on a CPU where oneDNN has no fast bf16 path (AVX2 only: no AVX-512, no AMX) is not an
 error, since the figures are right, but it is far slower than fp32: measured on an AVX2-only
 AMD EPYC (2026-12-07), a 3->64->64-channel conv step took 8.6 s in bf16 against 0.50 s in fp32
 (17x), and a CIFAR-10 apfl round 2,019 s against ~62 s on a machine with native bf16. The note
@@ -12,8 +12,8 @@ from typing import Any
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether torch's CPU kernels run bf16 natively here (oneDNN's own check: AVX512 with the bf16
-    extensions, or AMX)."""
+    """Whether oneDNN, torch's CPU kernels, has a fast bf16 path here (its own check: AVX-512 or AMX;
+    False on an AVX2-only CPU, where bf16 is emulated)."""
     import torch
 
     probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
@@ -39,6 +39,6 @@ def slow_precision_note(cfg: Any) -> str | None:
     precision = str(cfg.trainer.get("precision", "32-true"))
     if "bf16" not in precision or not runs_on_cpu(cfg) or cpu_has_native_bf16():
         return None
-    return (f"trainer.precision={precision} on a CPU without native bf16 (no AVX512-BF16 or AMX here): "
+    return (f"trainer.precision={precision} on a CPU without native bf16 (AVX2 only here, no AVX-512 or AMX): "
             "torch emulates it, ~17x slower than fp32 on an AVX2 CPU (docs/speed.md). Use "
             "trainer.precision=32-true, or a machine with native bf16 when the runs must match earlier bf16 runs")

@@ -43,6 +43,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from omegaconf import DictConfig, OmegaConf
 
+from fedfew.core.precision import runs_on_cpu
 from fedfew.core.threads import run_threads
 from fedfew.flower.partitions import Partition, PartitionError, cut, load
 from fedfew.flower.records import from_record, to_record, unpack
@@ -147,9 +148,7 @@ def client_fabric(cfg: DictConfig) -> Any:
     new process for every message, and importing Lightning costs ~3 s of CPU each time (it
     imports torchmetrics, which imports transformers, torchvision and scipy), more than a
     client's round on the digits; the results are the same bit for bit (tests/test_flower.py)."""
-    accelerator = str(cfg.trainer.accelerator)
-    no_gpu = not torch.cuda.is_available() and not torch.backends.mps.is_available()  # where "auto" means the CPU
-    if (accelerator == "cpu" or (accelerator == "auto" and no_gpu)) and str(cfg.trainer.precision) in ("32", "32-true"):
+    if runs_on_cpu(cfg) and str(cfg.trainer.precision) in ("32", "32-true"):
         return OneCPUProcess()
     from lightning.fabric import Fabric
 

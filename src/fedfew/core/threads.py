@@ -12,6 +12,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from fedfew.core.allowed import is_int
+
 
 def wanted_threads(cfg: Any) -> int | None:
     """``cfg.trainer.threads``: a count, or None when null (torch's default).
@@ -23,7 +25,7 @@ def wanted_threads(cfg: Any) -> int | None:
     value = (cfg.get("trainer") or {}).get("threads")
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:  # as the config rule (a library caller may skip validate_config)
         raise ValueError(f"trainer.threads={value!r}: give a whole number of torch threads >= 1 "
                          "(e.g. trainer.threads=1), or null for torch's default")
     return value

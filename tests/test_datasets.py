@@ -542,11 +542,39 @@ def test_cache_refuses_data_dir_and_recovers_from_damage(tmp_path, monkeypatch):
     a, hit_a = good.get("x", "f" * 64, build)
     b, hit_b = good.get("x", "f" * 64, build)
     assert (hit_a, hit_b, len(calls)) == (False, True, 1) and torch.equal(a["t"], b["t"])
-    assert [p.name for p in (tmp_path / "c").iterdir()] == [f"x-{'f' * 24}.pt"]  # no temporary file left
+    # no temporary file left; the build's lock lies apart, in .locks
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [".locks", f"x-{'f' * 24}.pt"]
     good.path("x", "f" * 64).write_bytes(b"garbage")
     with pytest.warns(UserWarning, match="unreadable cache entry"):
         c, hit_c = good.get("x", "f" * 64, build)
     assert not hit_c and len(calls) == 2 and torch.equal(c["t"], torch.arange(5, dtype=torch.uint8))
+
+
+def test_concurrent_misses_of_one_entry_build_it_once(tmp_path):
+    """Two runs missing the same entry at once (make compare JOBS=2) build it once: the second waits
+    for the first's lock, then reads its file (a hit). Threads stand in for processes: the lock is
+    the operating system's (flock), held per open file, so two threads contend as two processes do."""
+    import threading
+
+    cache = TensorCache(tmp_path / "c")
+    builds, results = [], {}
+
+    def build():
+        builds.append(threading.get_ident())
+        time.sleep(0.5)  # long enough for the other thread to miss too
+        return {"t": torch.arange(4)}
+
+    def run(who):
+        results[who] = cache.get("x", "a" * 64, build)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in ("first", "second")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1
+    assert sorted(hit for _, hit in results.values()) == [False, True]
+    assert all(torch.equal(entry["t"], torch.arange(4)) for entry, _ in results.values())
 
 
 def test_decode_helpers(tmp_path):
@@ -621,3 +649,46 @@ def test_cifar10_jpeg_tarballs_are_unpacked_once_into_the_cache(tmp_path, monkey
     stamp = first.stat().st_mtime_ns
     again = DATASETS.get("cifar10")(_cfg(image_size=32, cache=False), data.parent)
     assert torch.equal(again.inputs, ds.inputs) and first.stat().st_mtime_ns == stamp  # not unpacked again
+
+
+def test_cifar10_tarballs_unpacked_by_concurrent_runs_once(tmp_path, monkeypatch):
+    """Two runs starting at once on the tarballs (make compare JOBS=2) unpack them once and both load
+    every image. Before the lock both unpacked, and the second to finish replaced the tree while the
+    first was reading it (FileNotFoundError on a JPEG, 2026-12-07)."""
+    import threading
+
+    classes = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    tree, data = tmp_path / "tree", tmp_path / "data" / "cifar10"
+    rng = np.random.default_rng(1)
+    for split in ("train", "test"):
+        for c in classes:
+            _jpeg(tree / split / c / "0000.jpg", rng.integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    data.mkdir(parents=True)
+    for split in ("train", "test"):
+        with tarfile.open(data / f"cifar10_{split}_jpg.tar.gz", "w:gz") as tar:
+            tar.add(tree / split, arcname=split)
+    monkeypatch.setenv("FEDFEW_CACHE_DIR", str(tmp_path / "cache"))
+    unpacks, extractall = [], tarfile.TarFile.extractall
+
+    def slow_extractall(self, *args, **kwargs):  # long enough for the other run to arrive meanwhile
+        unpacks.append(self.name)
+        time.sleep(0.3)
+        return extractall(self, *args, **kwargs)
+
+    monkeypatch.setattr(tarfile.TarFile, "extractall", slow_extractall)
+    loaded, errors = [], []
+
+    def run():
+        try:
+            loaded.append(DATASETS.get("cifar10")(_cfg(image_size=32, cache=False), data.parent))
+        except Exception as err:  # noqa: BLE001 - reported by the assertion below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(loaded) == 2
+    assert len(unpacks) == 2  # the two tarballs, each once
+    assert torch.equal(loaded[0].inputs, loaded[1].inputs) and len(loaded[0]) == 20

@@ -11,7 +11,9 @@ directory (which may be read-only and shared) nor directly into the working dire
 setting disables caching with a warning. ``FEDFEW_CACHE_DIR=off`` (or ``0``/``none``) disables
 it too. Files are written atomically (temporary file in the same folder, then ``os.replace``),
 so concurrent runs and crashes never leave a half-written entry under the final name; an
-unreadable entry is rebuilt.
+unreadable entry is rebuilt. Runs that miss the same entry at once (``make compare JOBS=2``) build
+it once: the first holds an inter-process lock (``<cache>/.locks/<entry>.lock``, the ``filelock``
+library; released by the system if the process dies), the others wait for it and then read its file.
 
 Entries are loaded with ``torch.load(mmap=True, weights_only=True)``: the tensors are memory
 mapped, so a cache hit costs page-ins, not a copy, and a dataset larger than memory can be
@@ -19,17 +21,19 @@ read batch by batch.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import tempfile
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock, Timeout
 
 __all__ = ["CACHE_ENV", "FORMAT_VERSION", "TensorCache", "cache_key", "default_cache_dir", "files_identity"]
 
@@ -160,17 +164,51 @@ class TensorCache:
                 Path(tmp).unlink(missing_ok=True)
             return None
 
+    @contextlib.contextmanager
+    def lock(self, name: str) -> Iterator[None]:
+        """Hold the inter-process lock ``<root>/.locks/<name>.lock`` for the block, so that one run
+        builds what several would otherwise build at once; the others wait (logged) and then find it
+        built. A no-op when the cache is disabled or its folder is not writable (the runs then build
+        in parallel, each atomically, as before)."""
+        if self.root is None:
+            yield
+            return
+        try:
+            folder = self.root / ".locks"
+            folder.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(str(folder / f"{name}.lock"))
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                log.info("waiting for another run building %s (lock %s)", name, lock.lock_file)
+                lock.acquire()
+        except OSError:
+            yield
+            return
+        try:
+            yield
+        finally:
+            lock.release()
+
     def get(self, name: str, key: str, build: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
-        """The entry ``key``: loaded when present, else ``build()``, saved and returned.
+        """The entry ``key``: loaded when present, else ``build()``, saved and returned. Concurrent
+        misses of one entry build it once (:meth:`lock`).
 
         Returns:
             ``(entry, hit)``; after a miss the returned entry is re-read memory mapped from the
-            file just written when possible (so both paths give the same tensors).
+            file just written when possible (so both paths give the same tensors). A run that waited
+            for another's build reports a hit.
         """
         entry = self.load(name, key)
-        if entry is not None:
-            log.info("%s: cache hit %s", name, self.path(name, key))
-            return entry, True
+        if entry is None:
+            with self.lock(f"{name}-{key[:24]}"):
+                entry = self.load(name, key)  # built by another run while this one waited
+                if entry is None:
+                    return self._build(name, key, build)
+        log.info("%s: cache hit %s", name, self.path(name, key))
+        return entry, True
+
+    def _build(self, name: str, key: str, build: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
         entry = build()
         path = self.save(name, key, entry)
         if path is not None:

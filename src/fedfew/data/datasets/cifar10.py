@@ -137,18 +137,21 @@ def _unpacked(tars: list[Path], spec: CifarSpec, data_dir: Path) -> Path | None:
     if not cache.enabled:
         return None
     target = cache.root / f"{spec.name}_jpg" / files_identity(tars)[:16]
-    if find_folder_layout(target) is None:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".unpacking-", dir=target.parent))
-        try:
-            log.info("%s: unpacking %s into %s (once)", spec.name, ", ".join(t.name for t in tars), target)
-            for tar_path in tars:
-                with tarfile.open(tar_path, mode="r:*") as tar:
-                    tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-            shutil.rmtree(target, ignore_errors=True)
-            tmp.rename(target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    # one run unpacks, concurrent ones (make compare JOBS=2) wait and then read its tree: without the
+    # lock the last to finish replaced the tree another was already reading
+    with cache.lock(f"{spec.name}_jpg-{target.name}"):
+        if find_folder_layout(target) is None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".unpacking-", dir=target.parent))
+            try:
+                log.info("%s: unpacking %s into %s (once)", spec.name, ", ".join(t.name for t in tars), target)
+                for tar_path in tars:
+                    with tarfile.open(tar_path, mode="r:*") as tar:
+                        tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+                shutil.rmtree(target, ignore_errors=True)  # an incomplete tree left by an older version
+                tmp.rename(target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

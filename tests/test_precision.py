@@ -66,3 +66,22 @@ def test_a_run_says_it_before_reading_data(emulated_bf16, tmp_path, caplog, monk
     with caplog.at_level(logging.WARNING, logger="fedfew.experiments.training"):
         run(compose_config(*SETUP, "trainer.precision=bf16-mixed", "trainer.accelerator=cpu"), tmp_path)
     assert said_before_data == [True]
+
+
+
+def test_flower_simulation_says_it_before_reading_data(emulated_bf16, tmp_path, capsys, monkeypatch):
+    """python -m fedfew.flower (and make bench's Flower rows) run every virtual SuperNode on this CPU:
+    the simulation says it before the engine starts (and builds the data), as make train does."""
+    import flwr.simulation
+
+    from fedfew.flower.__main__ import simulate
+
+    said_before_engine: list[bool] = []
+
+    def no_engine(*args, **kwargs):
+        said_before_engine.append("without native bf16" in capsys.readouterr().err)
+
+    monkeypatch.setattr(flwr.simulation, "run_simulation", no_engine)
+    with pytest.raises(RuntimeError, match="ended without results"):
+        simulate(compose_config(*SETUP, "trainer.precision=bf16-mixed", "trainer.accelerator=cpu"), tmp_path)
+    assert said_before_engine == [True]

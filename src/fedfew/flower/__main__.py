@@ -29,18 +29,23 @@ def simulate(cfg: DictConfig, run_dir: Path, *, workers: int = 0, round_timeout:
     the results dict (results.json).
 
     Raises:
-        ValueError: a setting the Flower app does not run; RuntimeError: the ServerApp failed
+        ValueError: a setting the Flower app does not run (before anything starts; a bf16 run on a CPU
+            without native bf16 is warned about there too); RuntimeError: the ServerApp failed
             (the engine logs its traceback) or never finished.
     """
     import logging
 
     from flwr.simulation import run_simulation
 
+    from fedfew.core.precision import slow_precision_note
     from fedfew.flower.client import app as client_app
     from fedfew.flower.serve import serve
     from fedfew.flower.server import GridTransport, check_supported
 
     check_supported(cfg)
+    slow = slow_precision_note(cfg)
+    if slow:  # every virtual SuperNode trains on this machine's CPU: said before any data is read
+        print(f"warning: {slow}", file=sys.stderr, flush=True)
     from flwr.serverapp import ServerApp
 
     out: dict = {}

@@ -108,3 +108,20 @@ def test_alpha_plot_draws_uniform_at_one_over_the_round_participants():
     fig = plots.alpha_figure(history(rounds, [], M=6))
     (uniform,) = [line for line in fig.axes[0].get_lines() if line.get_label().startswith("uniform")]
     assert uniform.get_ydata().tolist() == pytest.approx([1 / 2, 1 / 3])
+
+
+def test_alpha_plot_of_many_clients_shows_the_largest_means_and_skips_the_never_sampled(recwarn):
+    """M = 1,000 with participation 0.05 leaves clients never sampled (all-NaN alpha columns): the plot
+    shows the 10 largest means over the rounds each client took part in, with no warning about them."""
+    M = plots.MAX_LINES + 30
+    rounds = [{"round": 1, "participants": list(range(0, 20)), "alpha": [(i + 1) / 210 for i in range(20)]},
+              {"round": 2, "participants": list(range(10, 30)), "alpha": [1 / 20] * 20}]
+    fig = plots.alpha_figure(history(rounds, [], M=M))
+    labels = [line.get_label() for line in fig.axes[0].get_lines() if line.get_label().startswith("client")]
+    # means: clients 0-9 took part once ((i+1)/210); 10-19 twice ((i+1)/210 and 1/20); 20-29 once, 1/20
+    means = {i: (i + 1) / 210 for i in range(10)}
+    means.update({i: ((i + 1) / 210 + 1 / 20) / 2 for i in range(10, 20)})
+    means.update({i: 1 / 20 for i in range(20, 30)})
+    top = sorted(means, key=lambda i: -means[i])[:10]
+    assert labels == [f"client {i}" for i in top]
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]

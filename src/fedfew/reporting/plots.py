@@ -181,7 +181,12 @@ def alpha_figure(history: dict[str, Any]) -> Figure | None:
     M = alpha.shape[1]
     fig = _figure(11, 4)
     ax_lines, ax_img = fig.subplots(1, 2, width_ratios=[1.2, 1])
-    shown = range(M) if M <= MAX_LINES else np.argsort(-np.nanmean(alpha, axis=0))[:10]
+    if M <= MAX_LINES:
+        shown = range(M)
+    else:  # the 10 largest means over the rounds a client took part in; never sampled (all NaN): last
+        sampled = np.isfinite(alpha).sum(axis=0)
+        mean = np.where(sampled > 0, np.nansum(alpha, axis=0) / np.maximum(sampled, 1), -np.inf)
+        shown = np.argsort(-mean, kind="stable")[:10]
     for i in shown:
         ax_lines.plot(rounds, alpha[:, i], marker="o" if len(rounds) <= 20 else None, markersize=3, label=f"client {i}")
     # alpha sums to 1 over a round's P participants (the rest are NaN here): uniform is 1/P, not 1/M

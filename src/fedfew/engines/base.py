@@ -54,7 +54,8 @@ def bound_host_memory() -> None:
     within one client of ~1,000 samples (30 steps). Fixing the threshold at :data:`MMAP_THRESHOLD` (tensors of 16 MiB and more
     are mapped and unmapped; smaller ones, e.g. every CIFAR-10 CNN activation at batch 50,
     stay on the heap) bounds the peak; :func:`release_host_memory` after each client
-    returns what the heap still holds.
+    returns what the heap still holds. Called by every CPU
+    :class:`~fedfew.simulator.simulation.Simulation` (whatever its method) and by the engines.
     """
     global _host_policy_set
     lib = _glibc()

@@ -647,6 +647,12 @@ def test_cifar10_jpeg_tarballs_are_unpacked_once_into_the_cache(tmp_path, monkey
     first = unpacked[0] / "train" / "airplane" / "0000.jpg"
     assert first.read_bytes() == (tree / "train" / "airplane" / "0000.jpg").read_bytes()
     stamp = first.stat().st_mtime_ns
+    from fedfew.data.cache import TensorCache
+
+    def no_lock(self, name):  # a tree unpacked before is read without waiting on another run's unpack
+        raise AssertionError(f"took the lock {name} for a tree already unpacked")
+
+    monkeypatch.setattr(TensorCache, "lock", no_lock)
     again = DATASETS.get("cifar10")(_cfg(image_size=32, cache=False), data.parent)
     assert torch.equal(again.inputs, ds.inputs) and first.stat().st_mtime_ns == stamp  # not unpacked again
 

@@ -137,6 +137,8 @@ def _unpacked(tars: list[Path], spec: CifarSpec, data_dir: Path) -> Path | None:
     if not cache.enabled:
         return None
     target = cache.root / f"{spec.name}_jpg" / files_identity(tars)[:16]
+    if find_folder_layout(target) is not None:  # unpacked before (the rename below is atomic): no lock needed
+        return target
     # one run unpacks, concurrent ones (make compare JOBS=2) wait and then read its tree: without the
     # lock the last to finish replaced the tree another was already reading
     with cache.lock(f"{spec.name}_jpg-{target.name}"):

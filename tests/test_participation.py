@@ -91,3 +91,20 @@ def test_bins_partition_the_clients_in_order_without_splitting_a_count(values):
         assert counts[bins[0]].max() == 0
     for lower, upper in zip(bins, bins[1:]):
         assert counts[lower].max() < counts[upper].min()
+
+
+def test_a_model_serving_several_groups_counts_for_one_of_them():
+    """Groups and models are matched one to one: when every client ends on one model (IFCA collapsed
+    this way at M = 1,000) one group has its model and the others none, so the share is not 1."""
+    groups = [0, 0, 0, 1, 1, 2]
+    clients = [{"id": i, "model": 3, "group": g, "acc": 0.5} for i, g in enumerate(groups)]
+    assert participation.group_models(clients) == {0: 3}   # the largest group takes the one model
+    counts = np.ones(len(clients), dtype=np.int64)
+    bins = participation.by_times_sampled(clients, counts)
+    assert bins[0]["with_group_model"] == 0.5 and bins[0]["assignment_ari"] == 0.0   # 3 of 6, not 1
+    # two models for three groups: the matching takes the largest total (group 0 -> 1, group 1 -> 2: 5 of 6),
+    # group 2's majority model (1) is taken already, so its client counts as off
+    models = [1, 1, 1, 2, 2, 1]
+    clients = [{"id": i, "model": m, "group": g, "acc": 0.5} for i, (m, g) in enumerate(zip(models, groups))]
+    assert participation.group_models(clients) == {0: 1, 1: 2}
+    assert participation.by_times_sampled(clients, counts)[0]["with_group_model"] == pytest.approx(5 / 6)

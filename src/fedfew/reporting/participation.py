@@ -69,12 +69,36 @@ def sampling_bins(counts: np.ndarray, bins: int = 4) -> list[np.ndarray]:
     return out + [sampled[which == j] for j in range(len(edges) - 1) if (which == j).any()]
 
 
+def group_models(clients: Sequence[dict[str, Any]]) -> dict[int, int]:
+    """Each known group's model: the one-to-one matching of groups to models that puts the most
+    clients on their group's model (Hungarian method, scipy's ``linear_sum_assignment``; all
+    clients, all bins together). One to one, so that models shared by several groups do not count
+    as recovering them: when every client ends on one model (a collapse), one group has it and
+    the others have none (absent from the result; their clients count as off their group's
+    model). With more groups than models the groups left over have none as well.
+
+    Args:
+        clients: results.json's ``clients`` with ``model`` and ``group``.
+
+    Returns:
+        ``{group: model}`` for the matched groups.
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    groups = sorted({int(c["group"]) for c in clients})
+    models = sorted({int(c["model"]) for c in clients})
+    counts = np.zeros((len(groups), len(models)), dtype=np.int64)   # (groups, models) clients
+    for c in clients:
+        counts[groups.index(int(c["group"])), models.index(int(c["model"]))] += 1
+    rows, cols = linear_sum_assignment(counts, maximize=True)
+    return {groups[r]: models[k] for r, k in zip(rows, cols)}
+
+
 def by_times_sampled(clients: Sequence[dict[str, Any]], counts: np.ndarray, bins: int = 4) -> list[dict[str, Any]]:
     """The clients in bins by how often they were sampled (:func:`sampling_bins`), with per
     bin: the range of times sampled, mean accuracy and, where the groups
     are known, the ARI of the final assignment against the groups within the bin and
-    ``with_group_model``: the share of clients whose model is the one most of their group's
-    clients (all bins together) were assigned.
+    ``with_group_model``: the share of clients on their group's model (:func:`group_models`).
 
     Args:
         clients: results.json's ``clients`` (``id``, ``model``, ``acc``, optionally ``group``).
@@ -84,11 +108,7 @@ def by_times_sampled(clients: Sequence[dict[str, Any]], counts: np.ndarray, bins
 
     position = {c["id"]: i for i, c in enumerate(clients)}
     known = all("group" in c for c in clients)
-    group_model: dict[int, int] = {}
-    if known:
-        for g in {c["group"] for c in clients}:
-            models = [c["model"] for c in clients if c["group"] == g]
-            group_model[g] = max(set(models), key=lambda m: (models.count(m), -m))
+    group_model = group_models(clients) if known else {}
     out = []
     for part in sampling_bins(counts, bins):
         members = [clients[position[int(i)]] for i in part]
@@ -96,7 +116,7 @@ def by_times_sampled(clients: Sequence[dict[str, Any]], counts: np.ndarray, bins
         row: dict[str, Any] = {"clients": len(members), "sampled_min": min(seen), "sampled_max": max(seen),
                                "sampled_mean": float(np.mean(seen)), "acc_mean": float(np.nanmean([c["acc"] for c in members]))}
         if known:
-            row["with_group_model"] = float(np.mean([c["model"] == group_model[c["group"]] for c in members]))
+            row["with_group_model"] = float(np.mean([c["model"] == group_model.get(c["group"]) for c in members]))
             if len({c["group"] for c in members}) > 1:
                 row["assignment_ari"] = assignment_ari([c["model"] for c in members], [c["group"] for c in members])
         out.append(row)

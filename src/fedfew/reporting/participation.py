@@ -85,13 +85,12 @@ def group_models(clients: Sequence[dict[str, Any]]) -> dict[int, int]:
     """
     from scipy.optimize import linear_sum_assignment
 
-    groups = sorted({int(c["group"]) for c in clients})
-    models = sorted({int(c["model"]) for c in clients})
+    groups, group_of = np.unique([int(c["group"]) for c in clients], return_inverse=True)
+    models, model_of = np.unique([int(c["model"]) for c in clients], return_inverse=True)
     counts = np.zeros((len(groups), len(models)), dtype=np.int64)   # (groups, models) clients
-    for c in clients:
-        counts[groups.index(int(c["group"])), models.index(int(c["model"]))] += 1
+    np.add.at(counts, (group_of, model_of), 1)
     rows, cols = linear_sum_assignment(counts, maximize=True)
-    return {groups[r]: models[k] for r, k in zip(rows, cols)}
+    return {int(groups[r]): int(models[k]) for r, k in zip(rows, cols)}
 
 
 def by_times_sampled(clients: Sequence[dict[str, Any]], counts: np.ndarray, bins: int = 4) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ from fedfew.config.rules import ConfigError, validate_config
 from fedfew.core.model_set import KModelSet
 from fedfew.stch.mu_schedule import effective_clients, round_mu, spread_mu
 from fedfew.simulator.simulation import Simulation
+from fedfew.reporting.history_file import load_history
 from torch import nn
 
 
@@ -305,7 +306,7 @@ def test_resume_after_k_changed_gives_the_uninterrupted_models(cpu_fabric, tmp_p
 def test_every_change_of_k_is_logged(tmp_path):
     """A real run (CLI, W&B offline) whose K=auto retires a model after rounds 1 and 2 (mu ~ 45
     nats: every pair is a duplicate; patience 1): metrics.csv has K, mu and the change text in
-    the rounds of the changes and per-model columns by model id; history.json and results.json
+    the rounds of the changes and per-model columns by model id; the history and results.json
     hold the model ids and changes; W&B gets the change table and the final one; the console
     prints the K=auto line."""
     import csv
@@ -338,7 +339,7 @@ def test_every_change_of_k_is_logged(tmp_path):
     assert all(c["model"] == kept for c in results["clients"])
     # the last round trained only the model left: its per-model columns, and no others
     assert rows[2][f"effective_step/{kept}"] != "" and all(rows[2][f"effective_step/{m}"] == "" for m in {0, 1, 2} - {kept})
-    history = json.loads((run_dir / "history.json").read_text())
+    history = load_history(run_dir)
     assert history["K"] == 3 and history["model_ids"] == [kept]
     assert [len(r["model_ids"]) for r in history["rounds"]] == [3, 2, 1]
     assert [r.get("model_set_change", "") for r in history["rounds"]] == changes

@@ -60,7 +60,7 @@ def test_run_files_follow_the_umask(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = [p for p in run_dir.rglob("*") if p.is_file() and ".hydra" not in p.parts and p.suffix != ".log"]
     names = {p.relative_to(run_dir).as_posix() for p in files}
-    assert {"results.json", "metrics.csv", "history.json", "config.yaml", "partition.json", "models.pt",
+    assert {"results.json", "metrics.csv", "history.json.gz", "config.yaml", "partition.json", "models.pt",
             "checkpoints/last.ckpt", "logs/metrics.csv"} <= names
     assert any(n.startswith("plots/") and n.endswith(".png") for n in names)
     assert {p.relative_to(run_dir).as_posix(): oct(_mode(p)) for p in files} == {n: oct(0o640) for n in names}

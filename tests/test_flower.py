@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from conftest import compose_config
+from fedfew.reporting.history_file import load_history
 
 pytest.importorskip("flwr")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -88,7 +89,7 @@ def test_messages_equal_simulator(algorithm, tmp_path):
     assert_equal_runs(ref, tmp_path / "sim", got, tmp_path / "flower", tol=0.0)
     if algorithm == "fedfew":
         assert got["summary"]["assignment_ari"] == 1.0 and len(got["w"][0]) == 4
-    for name in ("results.json", "metrics.csv", "history.json", "partition.json", "flower.json"):
+    for name in ("results.json", "metrics.csv", "history.json.gz", "partition.json", "flower.json"):
         assert (tmp_path / "flower" / name).is_file()
     sim_metrics = (tmp_path / "sim" / "metrics.csv")
     assert not sim_metrics.exists() or sim_metrics.read_text().splitlines()[0] == \
@@ -312,7 +313,7 @@ def test_killed_supernode_is_left_out_and_rejoins(tmp_path):
     flower_log = (tmp_path / "run" / "flower.log").read_text()
     assert "round 2: client 2 (node" in flower_log and f"left out of this train: no reply within {timeout} s" in flower_log
     assert "round 3: client 2 rejoined on node" in flower_log
-    history = json.loads((tmp_path / "run" / "history.json").read_text())["rounds"]
+    history = load_history(tmp_path / "run")["rounds"]
     assert [h["participants"] for h in history] == [[0, 1, 2, 3], [0, 1, 3], [0, 1, 2, 3]]
     assert sum(history[1]["alpha"]) == pytest.approx(1.0) and len(history[1]["alpha"]) == 3
     assert len(history[1]["w"]) == 3 and all(sum(row) == pytest.approx(1.0) for row in history[1]["w"])

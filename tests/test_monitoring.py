@@ -1,4 +1,4 @@
-"""Live monitoring: W&B (offline, read back with W&B's own reader), history.json, PNG plots,
+"""Live monitoring: W&B (offline, read back with W&B's own reader), the history file, PNG plots,
 generic logging for baselines, and W&B never stopping a run."""
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from fedfew.algorithms.round_log import LOOP_KEYS, Kind
 from fedfew.reporting.callbacks import round_scalars
+from fedfew.reporting.history_file import load_history, write_history
 from fedfew.reporting.wandb_monitor import (
     WandbMonitor, client_columns, find_wandb_runs, load_table, read_wandb_run, wandb_scalars,
 )
@@ -55,7 +56,7 @@ def test_wandb_offline_logs_alpha_w_every_round(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "wandb sync" in proc.stdout
     results = json.loads((run_dir / "results.json").read_text())
-    history = json.loads((run_dir / "history.json").read_text())
+    history = load_history(run_dir)
 
     # exactly one W&B run, in the run directory, finished cleanly
     assert len(find_wandb_runs(tmp_path)) == 1
@@ -74,7 +75,7 @@ def test_wandb_offline_logs_alpha_w_every_round(tmp_path):
         alpha = [r["alpha"] for r in rows]
         w = [[r[f"w_{k}"] for k in range(K)] for r in rows]
         loss = [[r[f"loss_{k}"] for k in range(K)] for r in rows]
-        # alpha: length M, sums to 1; w: M x K, rows sum to 1; both exactly as in history.json
+        # alpha: length M, sums to 1; w: M x K, rows sum to 1; both exactly as in the history
         assert len(alpha) == M and math.isclose(sum(alpha), 1.0, abs_tol=1e-9)
         assert len(w) == M and all(len(row) == K and math.isclose(sum(row), 1.0, abs_tol=1e-9) for row in w)
         assert alpha == rec["alpha"] and w == rec["w"] and loss == rec["loss"]
@@ -227,7 +228,7 @@ def test_plots_from_history_with_partial_participation(tmp_path):
                                                         "acc_weighted": 0.55, "majority_acc_mean": 0.2},
                                 "acc": rng.random(M).tolist(), "model": rng.integers(0, K, M).tolist()}
                                for t in (2, 4, 5)]}
-    (tmp_path / "history.json").write_text(json.dumps(history))
+    write_history(tmp_path, history)
     written = {p.name for p in write_plots(tmp_path)}
     assert written == {"accuracy.png", "alpha.png", "assignment.png", "client_accuracy.png",
                        "w_round_0001.png", "w_round_0003.png", "w_round_0005.png",

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedfew.reporting import participation
+from fedfew.reporting.history_file import load_history, write_history
 
 
 def write_run(folder):
@@ -19,7 +20,7 @@ def write_run(folder):
     models, groups, accs = [0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1], [0.9, 0.8, 0.3, 0.7, 0.6, 0.5]
     clients = [{"id": i, "model": m, "group": g, "acc": a} for i, (m, g, a) in enumerate(zip(models, groups, accs))]
     folder.mkdir()
-    (folder / "history.json").write_text(json.dumps({"algorithm": "fedfew", "rounds": rounds}))
+    write_history(folder, {"algorithm": "fedfew", "rounds": rounds})
     (folder / "results.json").write_text(json.dumps({"clients": clients}))
     return folder
 
@@ -46,10 +47,10 @@ def test_a_hand_computed_run(tmp_path, capsys):
 
 def test_methods_without_alpha_and_unfinished_runs(tmp_path, capsys):
     run = write_run(tmp_path / "run")
-    history = json.loads((run / "history.json").read_text())
+    history = load_history(run)
     for r in history["rounds"]:
         del r["alpha"]
-    (run / "history.json").write_text(json.dumps(history))
+    write_history(run, history)
     assert participation.report(run)["alpha"] is None
     other = write_run(tmp_path / "other")
     (run / "results.json").unlink()

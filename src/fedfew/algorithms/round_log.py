@@ -1,7 +1,7 @@
 """The round log: one contract between :meth:`Algorithm.end_round` and every place that reads it.
 
 ``end_round`` returns a dict, the round loop adds its own keys (:data:`LOOP_KEYS`), and the sinks
-(metrics.csv and the CSV logger, W&B, the console, history.json and its plots) write each key by
+(metrics.csv and the CSV logger, W&B, the console, history.json.gz and its plots) write each key by
 the kind its method *declares*, never by its name or its length. A method declares every key its
 ``end_round`` may return in ``log_keys``, beside ``row_shapes``; a subclass extends its parent's::
 
@@ -17,7 +17,7 @@ scalar            a number (int, float, 0-dim tensor)    metrics.csv ``<name>``,
 per_client        a tensor of P numbers: (P,) or (P, 1)  metrics.csv ``<name>_mean``; W&B round table column
 per_model         a tensor (K,)                          ``<name>/<model id>`` in metrics.csv and W&B
 per_client_model  a tensor (P, K)                        metrics.csv ``<name>_mean``; W&B round table columns
-record            anything JSON-able (ids, text)         history.json only
+record            anything JSON-able (ids, text)         history.json.gz only
 ================  =====================================  ====================================================
 
 A few names carry a meaning the sinks know, each allowed only the kinds of
@@ -29,7 +29,7 @@ model each participant counts as served by; ``clients_served/<k>`` instead of a 
 the assignment's values: FedFew, whose ``K=auto`` retires models), ``model_set_change`` (the text
 of a retirement: a metrics.csv column) and ``g`` (FedFew's objective: the console).
 
-history.json keeps every key of every round as it is (tensors as lists), and records the
+history.json.gz keeps every key of every round as it is (tensors as lists), and records the
 declaration (``log_keys``) beside them.
 """
 from __future__ import annotations

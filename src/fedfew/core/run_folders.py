@@ -292,7 +292,7 @@ def where_lines(run_dir: str | Path, finished: bool = True) -> list[str]:
     checkout (where the Makefile is), else ``<python> -m fedfew.notebook ...``; ``<python>`` is
     the interpreter that runs (:func:`python_command`)."""
     shown = display_path(run_dir)
-    lines = [f"run folder: {shown}" + ("" if finished else "   (stopped early: metrics.csv, history.json and plots "
+    lines = [f"run folder: {shown}" + ("" if finished else "   (stopped early: metrics.csv, history.json.gz and plots "
                                                            "hold the rounds so far)")]
     if finished:
         here = Path.cwd().resolve() == CHECKOUT and (CHECKOUT / "Makefile").is_file()

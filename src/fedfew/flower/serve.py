@@ -3,7 +3,7 @@
 :func:`serve` is what the ServerApp's ``main(grid, context)`` does in Flower's simulation engine
 (``python -m fedfew.flower``, :mod:`fedfew.flower.__main__`) and on a SuperLink
 (:data:`app`, started by ``flwr run``, :mod:`fedfew.flower.deploy`). Besides the simulator's files
-(results.json, metrics.csv, history.json, partition.json, plots, loggers) the run folder gets
+(results.json, metrics.csv, history.json.gz, partition.json, plots, loggers) the run folder gets
 ``flower.log`` (the lines about nodes: who joined, who was left out and why) and ``flower.json``
 (the transport, the node of each client, the nodes that failed, and the bytes each exchange moved
 down to and up from each client).

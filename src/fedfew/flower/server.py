@@ -10,7 +10,7 @@ instead of calling ``client_update`` and ``evaluate_clients`` in process::
     <- its rows (FedFew: K losses) and its accumulator calls (FedFew: K log weights, K deltas)
     -> replay the calls into the server's accumulators in client order     (= the all-reduce)
     -> alg.end_round(round, answered, rows)                                (STCH-Set, server step)
-    -> callbacks: metrics.csv, history.json, plots, W&B; every eval_every rounds and at the
+    -> callbacks: metrics.csv, history.json.gz, plots, W&B; every eval_every rounds and at the
        end an "evaluate" message to every client: its pick and scores -> the evaluation table
 
 Why its own loop rather than Flower's ``Strategy.start()``: a stock strategy carries one

@@ -7,21 +7,21 @@ Fabric calls ``on_fit_start(sim)``, ``on_round_end(sim, round, logs, evaluation)
 
 Files in the run directory (all written atomically, see :mod:`fedfew.core.io`):
 
-    config.yaml    the resolved run config (at the start)
-    metrics.csv    one row of scalars per round (:func:`round_scalars`: each round-log key by
-                   the kind its algorithm declares, :mod:`fedfew.algorithms.round_log`), after every round
-    history.json   every round's logs (g, alpha, w, loss, assignment, ... whatever the
-                   algorithm returns, and their declared kinds) and every evaluation's per-client
-                   accuracy (:func:`build_history`), at each evaluation and at the end
-    results.json   final per-client results and summary, at the end
-    plots/*.png    pictures (:mod:`fedfew.reporting.plots`), at evaluations (at most every
-                   :data:`PLOT_INTERVAL_S` seconds) and at the end, when ``logger.plots``
+    config.yaml      the resolved run config (at the start)
+    metrics.csv      one row of scalars per round (:func:`round_scalars`: each round-log key by
+                     the kind its algorithm declares, :mod:`fedfew.algorithms.round_log`), after every round
+    history.json.gz  every round's logs (g, alpha, w, loss, assignment, ... whatever the
+                     algorithm returns, and their declared kinds) and every evaluation's per-client
+                     accuracy (:func:`build_history`; gzip-compressed JSON,
+                     :mod:`fedfew.reporting.history_file`), at each evaluation and at the end
+    results.json     final per-client results and summary, at the end
+    plots/*.png      pictures (:mod:`fedfew.reporting.plots`), at evaluations (at most every
+                     :data:`PLOT_INTERVAL_S` seconds) and at the end, when ``logger.plots``
 """
 from __future__ import annotations
 
 import csv
 import io
-import json
 import sys
 import time
 import warnings
@@ -34,6 +34,7 @@ from omegaconf import OmegaConf
 from fedfew.algorithms.round_log import LOOP_KEYS, Kind, LogKeys, classify, is_scalar
 from fedfew.core.io import atomic_write_json, atomic_write_text, to_jsonable
 from fedfew.core.nonfinite import describe as describe_nonfinite
+from fedfew.reporting.history_file import load_history, write_history
 
 if TYPE_CHECKING:
     from fedfew.simulator.run_view import RunView
@@ -156,7 +157,7 @@ def evaluation_record(round: int, evaluation: dict[str, Any]) -> dict[str, Any]:
 
 def build_history(sim: RunView, rounds: list[dict[str, Any]], evaluations: list[dict[str, Any]],
                   clients: list[dict[str, Any]]) -> dict[str, Any]:
-    """The content of ``history.json``::
+    """The content of the run's history file (``history.json.gz``, :mod:`fedfew.reporting.history_file`)::
 
         {"version", "algorithm", "dataset", "num_clients" (M), "K", "model_ids", "num_classes",
          "log_keys":    {key: kind} of every key a round may hold (fedfew.algorithms.round_log),
@@ -189,12 +190,12 @@ def build_history(sim: RunView, rounds: list[dict[str, Any]], evaluations: list[
 
 
 def _previous_history(run_dir: Path, start_round: int) -> tuple[list, list]:
-    """Rounds and evaluations before ``start_round`` from an existing history.json (resume)."""
-    path = run_dir / "history.json"
-    if start_round <= 1 or not path.exists():
+    """Rounds and evaluations before ``start_round`` from the run's existing history (resume;
+    either form, :func:`fedfew.reporting.history_file.load_history`)."""
+    if start_round <= 1:
         return [], []
     try:
-        old = json.loads(path.read_text())
+        old = load_history(run_dir)
     except (OSError, ValueError):
         return [], []
     return ([r for r in old.get("rounds", []) if r.get("round", 0) < start_round],
@@ -203,7 +204,7 @@ def _previous_history(run_dir: Path, start_round: int) -> tuple[list, list]:
 
 class ResultFiles:
     """Writes ``config.yaml`` at the start, ``metrics.csv`` after every round,
-    ``history.json`` at every evaluation, on interruption and at the end, and ``results.json``
+    ``history.json.gz`` at every evaluation, on interruption and at the end, and ``results.json``
     at the end, each atomically, on rank 0. A resumed run keeps the rows and history of the
     rounds before its checkpoint."""
 
@@ -251,9 +252,9 @@ class ResultFiles:
             self.write_history(sim)
 
     def write_history(self, sim: RunView) -> dict[str, Any]:
-        """Write ``history.json`` now; returns its content."""
+        """Write ``history.json.gz`` now; returns its content."""
         history = build_history(sim, self.rounds, self.evaluations, self.clients)
-        atomic_write_json(self.run_dir / "history.json", history)
+        write_history(self.run_dir, history)
         return history
 
     def on_interrupt(self, sim: RunView, round: int) -> None:
@@ -271,7 +272,7 @@ class ResultFiles:
 
 class PlotFiles:
     """Draws the PNGs of :mod:`fedfew.reporting.plots` into ``<run_dir>/plots`` on rank 0, from the
-    ``history.json`` that :class:`ResultFiles` (placed before it) has just written: at
+    history that :class:`ResultFiles` (placed before it) has just written: at
     evaluation rounds (at most every :data:`PLOT_INTERVAL_S` seconds) and at the end.
 
     Config (``logger`` node): ``plots`` (default true), ``plot_rounds`` (rounds with a w / L

@@ -1,7 +1,7 @@
 """What partial participation does to a run: how alpha spreads over each round's participants,
 and how well the clients that were rarely sampled are assigned (issue 38's M = 1,000 table).
 
-Reads a finished run folder (``history.json``: each round's ``participants`` and, for FedFew,
+Reads a finished run folder (its history, :mod:`fedfew.reporting.history_file`: each round's ``participants`` and, for FedFew,
 ``alpha`` over them; ``results.json``: each client's final ``model``, ``acc`` and, for a split
 with known groups, ``group``). ``python -m fedfew.reporting.participation RUN_DIR [RUN_DIR ...]``
 prints one block per run.
@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+
+from fedfew.reporting.history_file import HISTORY_FILE, history_path, load_history
 
 
 def alpha_spread(rounds: Sequence[dict[str, Any]]) -> dict[str, float] | None:
@@ -126,13 +128,15 @@ def report(run_dir: str | Path, bins: int = 4) -> dict[str, Any]:
     """:func:`alpha_spread` and :func:`by_times_sampled` of one finished run folder.
 
     Raises:
-        FileNotFoundError: ``run_dir`` has no history.json or results.json (not a finished run).
+        FileNotFoundError: ``run_dir`` has no history (``history.json.gz``, or ``history.json`` of
+            older runs) or no results.json (not a finished run).
     """
     run_dir = Path(run_dir)
-    for name in ("history.json", "results.json"):
-        if not (run_dir / name).is_file():
-            raise FileNotFoundError(f"{run_dir / name} is missing: give the folder of a finished run")
-    history = json.loads((run_dir / "history.json").read_text())
+    if history_path(run_dir) is None:
+        raise FileNotFoundError(f"{run_dir / HISTORY_FILE} is missing: give the folder of a finished run")
+    if not (run_dir / "results.json").is_file():
+        raise FileNotFoundError(f"{run_dir / 'results.json'} is missing: give the folder of a finished run")
+    history = load_history(run_dir)
     results = json.loads((run_dir / "results.json").read_text())
     rounds = history["rounds"]
     counts = times_sampled(rounds, len(results["clients"]))

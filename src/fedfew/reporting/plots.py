@@ -1,6 +1,6 @@
 """Pictures of a run as PNG files (matplotlib, Agg; no display needed).
 
-Every function reads the run's ``history.json`` content (see :func:`fedfew.reporting.callbacks.build_history`)
+Every function reads the run's history (see :func:`fedfew.reporting.callbacks.build_history`)
 and returns a matplotlib :class:`~matplotlib.figure.Figure` built without pyplot, so importing
 this module never changes the global matplotlib backend (the analysis notebook uses the same
 functions inline). :func:`write_plots` saves them into ``<run_dir>/plots``:
@@ -24,7 +24,6 @@ Regenerate them from a finished run with ``python -m fedfew.reporting.plots RUN_
 from __future__ import annotations
 
 import io
-import json
 import sys
 import warnings
 from pathlib import Path
@@ -35,6 +34,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from fedfew.core.io import atomic_write_bytes
+from fedfew.reporting.history_file import HISTORY_FILE, history_path, load_history
 
 #: clients drawn as individual lines in the alpha plot (above: the image only)
 MAX_LINES = 30
@@ -42,11 +42,6 @@ DPI = 100
 
 
 # -- reading a history -----------------------------------------------------------------------
-
-def load_history(run_dir: str | Path) -> dict[str, Any]:
-    """The ``history.json`` of a run directory."""
-    return json.loads((Path(run_dir) / "history.json").read_text())
-
 
 def rounds_with(history: dict[str, Any], key: str) -> list[dict[str, Any]]:
     """The per-round records that hold ``key``."""
@@ -383,7 +378,7 @@ def write_plots(run_dir: str | Path, history: dict[str, Any] | None = None,
     warning; plotting never stops a run.
 
     Args:
-        run_dir: the run directory (``history.json`` is read from it unless ``history`` is given).
+        run_dir: the run directory (its history file is read unless ``history`` is given).
         history: the history content, when already in memory.
         w_rounds: rounds with a w / L heatmap (default: first, middle and last).
         out_dir: where to write (default ``<run_dir>/plots``).
@@ -418,8 +413,8 @@ def main(argv: list[str] | None = None) -> int:
               "(w/L heatmaps at ROUNDs; default first, middle, last)")
         return 0 if argv else 2
     run_dir = Path(argv[0])
-    if not (run_dir / "history.json").exists():
-        print(f"error: {run_dir / 'history.json'} not found (is {run_dir} a fedfew run directory?)", file=sys.stderr)
+    if history_path(run_dir) is None:
+        print(f"error: {run_dir / HISTORY_FILE} not found (is {run_dir} a fedfew run directory?)", file=sys.stderr)
         return 2
     for path in write_plots(run_dir, w_rounds=[int(a) for a in argv[1:]] or None):
         print(path)

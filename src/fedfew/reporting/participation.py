@@ -2,9 +2,9 @@
 and how well the clients that were rarely sampled are assigned (issue 38's M = 1,000 table).
 
 Reads a finished run folder (its history, :mod:`fedfew.reporting.history_file`: each round's
-``participants`` and, for FedFew, ``alpha`` over them; ``results.json``: each client's final ``model``, ``acc`` and, for a split
-with known groups, ``group``). ``python -m fedfew.reporting.participation RUN_DIR [RUN_DIR ...]``
-prints one block per run.
+``participants`` and, for FedFew, ``alpha`` over them; ``results.json``: each client's final
+``model``, ``acc`` and, for a split with known groups, ``group``).
+``python -m fedfew.reporting.participation RUN_DIR [RUN_DIR ...]`` prints one block per run.
 """
 from __future__ import annotations
 

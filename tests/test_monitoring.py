@@ -242,3 +242,34 @@ def test_plots_from_history_with_partial_participation(tmp_path):
         assert np.isnan(alpha[j, absent]).all() and alpha[j, rec["participants"]].tolist() == rec["alpha"]
     # chosen rounds only
     assert {p.name for p in write_plots(tmp_path, w_rounds=[2], out_dir=tmp_path / "two")} >= {"w_round_0002.png"}
+
+
+def test_run_plots_take_the_history_just_written_without_reading_it_back(tmp_path, monkeypatch):
+    """PlotFiles given its ResultFiles draws from the history in memory: the same pictures as from the
+    file, and the file is not read again (it was written a moment before)."""
+    import fedfew.reporting.plots as plots
+    from fedfew.reporting.callbacks import PlotFiles, ResultFiles
+
+    rounds = [{"round": t, "participants": [0, 1, 2], "g": 1.0, "alpha": [0.2, 0.3, 0.5],
+               "w": [[0.9, 0.1], [0.5, 0.5], [0.2, 0.8]], "loss": [[0.1, 0.2]] * 3, "assignment": [0, 0, 1]}
+              for t in (1, 2, 3)]
+    history = {"num_clients": 3, "K": 2, "algorithm": "fedfew", "dataset": "synthetic", "rounds": rounds,
+               "evaluations": [{"round": 3, "summary": {"acc_mean": 0.5, "acc_std": 0.1, "acc_min": 0.3,
+                                                        "acc_max": 0.8, "acc_weighted": 0.5, "majority_acc_mean": 0.2},
+                                "acc": [0.3, 0.5, 0.8], "model": [0, 0, 1]}]}
+    write_history(tmp_path / "from_file", history)
+    from_file = {p.name for p in PlotFiles(tmp_path / "from_file").draw()}
+
+    source = ResultFiles(tmp_path / "in_memory")
+    source.history = history  # what ResultFiles.write_history keeps after writing the file
+
+    def no_read(run_dir):
+        raise AssertionError(f"history of {run_dir} read back from disk")
+
+    monkeypatch.setattr(plots, "load_history", no_read)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # PlotFiles.draw turns a failure into a warning: make it fail here
+        in_memory = {p.name for p in PlotFiles(tmp_path / "in_memory", source=source).draw()}
+    assert in_memory == from_file and "alpha.png" in in_memory and "w_round_0003.png" in in_memory
+    for name in in_memory:
+        assert_png(tmp_path / "in_memory" / "plots" / name)

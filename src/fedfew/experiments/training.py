@@ -34,10 +34,11 @@ def make_fabric(cfg: DictConfig, run_dir: Path):
     from fedfew.reporting.wandb_monitor import WandbMonitor
 
     t = cfg.trainer
+    result_files = ResultFiles(run_dir)
     return Fabric(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
         precision=t.precision, loggers=build_loggers(cfg.logger, run_dir),
-        callbacks=[CollapseWatch(), ResultFiles(run_dir), PlotFiles(run_dir), WandbMonitor(), PartitionReport(run_dir),
+        callbacks=[CollapseWatch(), result_files, PlotFiles(run_dir, source=result_files), WandbMonitor(), PartitionReport(run_dir),
                    LoggerBridge(), ConsoleReport()],
     )
 

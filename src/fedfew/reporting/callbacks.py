@@ -214,6 +214,7 @@ class ResultFiles:
         self.rounds: list[dict[str, Any]] = []
         self.evaluations: list[dict[str, Any]] = []
         self.clients: list[dict[str, Any]] = []
+        self.history: dict[str, Any] | None = None  # what the history file holds now (for PlotFiles)
 
     def on_fit_start(self, sim: RunView) -> None:
         if sim.rank != 0:
@@ -255,6 +256,7 @@ class ResultFiles:
         """Write ``history.json.gz`` now; returns its content."""
         history = build_history(sim, self.rounds, self.evaluations, self.clients)
         write_history(self.run_dir, history)
+        self.history = history
         return history
 
     def on_interrupt(self, sim: RunView, round: int) -> None:
@@ -273,15 +275,18 @@ class ResultFiles:
 class PlotFiles:
     """Draws the PNGs of :mod:`fedfew.reporting.plots` into ``<run_dir>/plots`` on rank 0, from the
     history that :class:`ResultFiles` (placed before it) has just written: at
-    evaluation rounds (at most every :data:`PLOT_INTERVAL_S` seconds) and at the end.
+    evaluation rounds (at most every :data:`PLOT_INTERVAL_S` seconds) and at the end. Given that
+    ``ResultFiles`` as ``source``, it takes the history from memory instead of reading the file back.
 
     Config (``logger`` node): ``plots`` (default true), ``plot_rounds`` (rounds with a w / L
     heatmap; null: first, middle and last).
     """
 
-    def __init__(self, run_dir: Path, interval_s: float = PLOT_INTERVAL_S) -> None:
+    def __init__(self, run_dir: Path, interval_s: float = PLOT_INTERVAL_S,
+                 source: ResultFiles | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.interval_s = interval_s
+        self.source = source
         self.enabled = False
         self.rounds: list[int] | None = None
         self.last = float("-inf")
@@ -298,7 +303,8 @@ class PlotFiles:
         try:
             from fedfew.reporting.plots import write_plots
 
-            self.written = write_plots(self.run_dir, w_rounds=self.rounds)
+            history = self.source.history if self.source is not None else None  # None: read the file
+            self.written = write_plots(self.run_dir, history=history, w_rounds=self.rounds)
         except Exception as err:  # pictures must never stop a run
             warnings.warn(f"plots skipped: {type(err).__name__}: {err}")
         self.last = time.monotonic()

@@ -248,7 +248,7 @@ def OmegaConf_dict(cfg) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def test_one_seed_has_no_spread_and_the_first_method_is_said_to_be_first():
+def test_one_seed_has_no_spread_and_the_first_method_is_said_to_be_first(tmp_path):
     results = {("a", 0): fake_results(0.8, [0.5, 0.3], "h0"), ("b", 0): fake_results(0.9, [0.5, 0.3], "h0")}
     rows, _ = summarize(results, ["b", "a", "missing"], reference="b")
     b, a, maj = rows
@@ -262,6 +262,17 @@ def test_one_seed_has_no_spread_and_the_first_method_is_said_to_be_first():
     assert notes[0] == "b is first on client-mean accuracy (0.9000; next: a 0.8000)"
     assert notes[1].startswith("shared by every method: M=2 clients, dirichlet (alpha=0.5), 5 rounds, 1 local "
                                "epoch(s), batch 50, local optimizer sgd, participation 1.0, model mlp with d=10 ")
+    # no preset for either method: the table says none was tuned, not that all were tuned alike
+    assert notes[2].startswith("what differs per method (none tuned: each runs its config defaults under the same "
+                               "overrides): b: lr ")
+    for name in "ab":
+        (tmp_path / f"digits_{name}.yaml").write_text("# @package _global_\noptim:\n  lr: 0.1\n")
+    rows[0]["preset"] = str(tmp_path / "digits_b.yaml")   # one method with a preset, the other without
+    assert "(NOT tuned alike: some methods run a tuned preset" in comparison_table.describe(rows, results, "digits",
+                                                                                             [0], "b")[1][2]
+    rows[1]["preset"] = str(tmp_path / "digits_a.yaml")
+    assert "(each tuned the same way on validation data" in comparison_table.describe(rows, results, "digits",
+                                                                                       [0], "b")[1][2]
 
 
 def test_mismatched_partitions_are_refused_and_budget_differences_flagged():

@@ -493,11 +493,12 @@ def describe(rows: Sequence[dict[str, Any]], results: dict[tuple[str, int], dict
             f"{cfg['local_epochs']} local epoch(s), batch {cfg['dataset']['batch_size']}, local optimizer "
             f"{cfg['optim'].get('name', 'sgd')}{schedule}, participation {cfg.get('participation')}, model "
             f"{cfg['model']['name']} with d={d:,} parameters, protocol {protocol}{finetune}, the same seeds and partitions")
-    differs = []
+    differs, tuned = [], []
     for r in rows:
         if r["algorithm"] == MAJORITY:
             continue
         source = r.get("preset") or ""
+        tuned.append(bool(source))
         score = preset_score(source)
         where = (f"tuned preset {portable_path(source)}" + (f", best validation acc {score}" if score else "")
                  if source else "no preset: config defaults")
@@ -506,7 +507,10 @@ def describe(rows: Sequence[dict[str, Any]], results: dict[tuple[str, int], dict
     if mismatch:
         notes.append(mismatch)
     if differs:
-        notes.append("what differs per method (each tuned the same way on validation data, make tune; docs/tuning.md): "
+        how = ("each tuned the same way on validation data, make tune; docs/tuning.md" if all(tuned)
+               else "none tuned: each runs its config defaults under the same overrides" if not any(tuned)
+               else "NOT tuned alike: some methods run a tuned preset, the others their config defaults")
+        notes.append(f"what differs per method ({how}): "
                      + " | ".join(differs) + "; and the local SGD steps, server models and bytes in the budget table")
     notes += [
         "client-mean acc: mean over clients of each client's test accuracy at the reported round (final, or the best "

@@ -493,12 +493,11 @@ def describe(rows: Sequence[dict[str, Any]], results: dict[tuple[str, int], dict
             f"{cfg['local_epochs']} local epoch(s), batch {cfg['dataset']['batch_size']}, local optimizer "
             f"{cfg['optim'].get('name', 'sgd')}{schedule}, participation {cfg.get('participation')}, model "
             f"{cfg['model']['name']} with d={d:,} parameters, protocol {protocol}{finetune}, the same seeds and partitions")
-    differs, tuned = [], []
-    for r in rows:
-        if r["algorithm"] == MAJORITY:
-            continue
+    methods = [r for r in rows if r["algorithm"] != MAJORITY]
+    tuned = [bool(r.get("preset")) for r in methods]
+    differs = []
+    for r in methods:
         source = r.get("preset") or ""
-        tuned.append(bool(source))
         score = preset_score(source)
         where = (f"tuned preset {portable_path(source)}" + (f", best validation acc {score}" if score else "")
                  if source else "no preset: config defaults")
